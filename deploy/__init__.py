@@ -1,0 +1,1 @@
+"""Ways to run stargym: the ``stargym`` CLI, the local launcher, containers and manifests."""

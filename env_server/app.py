@@ -1,0 +1,51 @@
+"""Builds the env server's FastAPI app for a set of env classes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from prometheus_client import Gauge
+
+from env_server.agentgym import agentgym_router
+from env_server.core import Env
+from env_server.pool import InstancePool
+from env_server.routes import router
+from services.http_app import create_app
+from services.settings import EnvServerSettings
+
+
+def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) -> FastAPI:
+    pool = InstancePool(env_classes, max_instances=settings.max_instances, ttl_s=settings.instance_ttl_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(pool.reap_forever(settings.reaper_interval_s))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await pool.close_all()
+
+    families = sorted({cls.family for cls in env_classes.values()})
+    app = create_app(
+        f"env server ({', '.join(families)})",
+        settings,
+        description="Create, step and close environment instances. AgentGym-compatible routes under /agentgym/.",
+        lifespan=lifespan,
+    )
+    app.state.pool = pool
+    registry = app.state.metrics_registry
+    Gauge("env_instances", "Live env instances", registry=registry).set_function(lambda: len(pool))
+    Gauge("env_instance_limit", "Instance limit", registry=registry).set(settings.max_instances)
+    Gauge("env_instances_reaped", "Instances closed for idleness", registry=registry).set_function(
+        lambda: pool.reaped_total
+    )
+    app.include_router(router)
+    for env_id, env_class in env_classes.items():
+        app.include_router(agentgym_router(env_id, env_class), prefix=f"/agentgym/{env_class.name}")
+    return app

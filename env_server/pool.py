@@ -1,0 +1,241 @@
+"""Live env instances: creation under a limit, one lock each, idle expiry, multi-action turns.
+
+All bookkeeping happens on the event loop, so it needs no thread locks. Env code runs inline
+for envs that declare ``runs_inline`` (microsecond steps) and on worker threads otherwise, so a
+slow reset of one instance never stalls steps of others. Each instance's ``asyncio.Lock``
+serialises its own calls: two concurrent steps on one instance never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from env_server.core import Env, Observation, Step
+from services.errors import ApiError, conflict, not_found, too_many
+
+T = TypeVar("T")
+
+ACTION_SEPARATOR = "||"
+
+
+class HostOptions(BaseModel):
+    """Options the host itself handles for every env, taken out before the env sees its own."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_actions_per_turn: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Actions per reply, separated by '||' (RAGEN's multi-action turns).",
+    )
+
+
+@dataclass(eq=False)
+class Instance:
+    """One env object with the state the host keeps around it."""
+
+    instance_id: str
+    env_id: str
+    env: Env
+    seed: int
+    options: dict[str, Any]
+    host_options: HostOptions
+    observation: str
+    created_at: float
+    last_used_at: float
+    done: bool = False
+    turns: int = 0
+    total_reward: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def touch(self) -> None:
+        self.last_used_at = time.time()
+
+
+class InstancePool:
+    """Owns every live instance of one env server."""
+
+    def __init__(self, env_classes: dict[str, type[Env]], max_instances: int, ttl_s: float) -> None:
+        self.env_classes = env_classes
+        self.max_instances = max_instances
+        self.ttl_s = ttl_s
+        self.instances: dict[str, Instance] = {}
+        self._reserved = 0  # creates in flight, counted against the limit before they finish
+        self.reaped_total = 0
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def get(self, instance_id: str) -> Instance:
+        instance = self.instances.get(instance_id)
+        if instance is None:
+            raise not_found("instance", instance_id)
+        return instance
+
+    async def create(
+        self, env_id: str, seed: int | None, options: dict[str, Any] | None
+    ) -> tuple[Instance, Observation]:
+        env_class = self.env_classes.get(env_id)
+        if env_class is None:
+            raise not_found("env", env_id)
+        env_options, host_options = parse_options(env_class, options or {})
+        if len(self.instances) + self._reserved >= self.max_instances:
+            raise too_many("instance_limit", f"this server holds its limit of {self.max_instances} instances")
+        seed = secrets.randbelow(2**31) if seed is None else seed
+        self._reserved += 1
+        try:
+            env = env_class()
+            try:
+                first = await _run(env, lambda: env.reset(seed, env_options))
+            except BaseException:
+                await _run(env, env.close)
+                raise
+        finally:
+            self._reserved -= 1
+        now = time.time()
+        instance = Instance(
+            instance_id=str(uuid.uuid4()),
+            env_id=env_id,
+            env=env,
+            seed=seed,
+            options=dict(options or {}),
+            host_options=host_options,
+            observation=first.observation,
+            created_at=now,
+            last_used_at=now,
+        )
+        self.instances[instance.instance_id] = instance
+        return instance, first
+
+    async def reset(self, instance_id: str, seed: int | None, options: dict[str, Any] | None) -> Observation:
+        instance = self.get(instance_id)
+        env_class = type(instance.env)
+        new_options = instance.options if options is None else dict(options)
+        env_options, host_options = parse_options(env_class, new_options)
+        async with instance.lock:
+            self.get(instance_id)  # closed while we waited for the lock?
+            seed = instance.seed if seed is None else seed
+            observed = await _run(instance.env, lambda: instance.env.reset(seed, env_options))
+            instance.seed, instance.options, instance.host_options = seed, new_options, host_options
+            instance.observation, instance.done = observed.observation, False
+            instance.turns, instance.total_reward = 0, 0.0
+            instance.touch()
+        return observed
+
+    async def step(self, instance_id: str, action: str) -> Step:
+        instance = self.get(instance_id)
+        async with instance.lock:
+            self.get(instance_id)
+            if instance.done:
+                raise conflict("episode_done", f"instance {instance_id} finished its episode; reset it first")
+            result = await _run(instance.env, lambda: play_turn(instance.env, action, instance.host_options))
+            instance.observation = result.observation
+            instance.done = result.done
+            instance.turns += 1
+            instance.total_reward += result.reward
+            instance.touch()
+        return result
+
+    async def step_many(self, requests: list[tuple[str, str]]) -> list[Step | ApiError]:
+        """Step many instances in one call; steps of one instance keep their order, others overlap."""
+        outcomes: list[Step | ApiError] = [ApiError(500, "internal_error", "not stepped")] * len(requests)
+        chains: dict[str, list[int]] = {}
+        for index, (instance_id, _) in enumerate(requests):
+            chains.setdefault(instance_id, []).append(index)
+
+        async def run_chain(indices: list[int]) -> None:
+            for index in indices:
+                instance_id, action = requests[index]
+                try:
+                    outcomes[index] = await self.step(instance_id, action)
+                except ApiError as error:
+                    outcomes[index] = error
+
+        await asyncio.gather(*(run_chain(indices) for indices in chains.values()))
+        return outcomes
+
+    async def close(self, instance_id: str) -> None:
+        instance = self.get(instance_id)
+        async with instance.lock:
+            if self.instances.pop(instance_id, None) is not None:
+                await _run(instance.env, instance.env.close)
+
+    async def close_all(self) -> None:
+        for instance_id in list(self.instances):
+            await self.close(instance_id)
+
+    async def reap_idle(self) -> int:
+        """Close instances idle longer than the TTL; busy ones (lock held) are in use, not idle."""
+        deadline = time.time() - self.ttl_s
+        expired = [i for i in self.instances.values() if i.last_used_at < deadline and not i.lock.locked()]
+        for instance in expired:
+            if instance.instance_id in self.instances:
+                await self.close(instance.instance_id)
+        self.reaped_total += len(expired)
+        return len(expired)
+
+    async def reap_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.reap_idle()
+
+
+def parse_options(env_class: type[Env], options: dict[str, Any]) -> tuple[BaseModel, HostOptions]:
+    """Split user options into the env's own (validated by its model) and the host's."""
+    host_fields = set(HostOptions.model_fields)
+    try:
+        host_options = HostOptions.model_validate(options)
+        env_options = env_class.Options.model_validate(
+            {k: v for k, v in options.items() if k not in host_fields}
+        )
+    except ValidationError as exc:
+        raise ApiError(422, "invalid_options", f"{env_class.env_id()}: {_first_errors(exc)}") from None
+    return env_options, host_options
+
+
+def play_turn(env: Env, reply: str, host_options: HostOptions) -> Step:
+    """Carry out one agent reply: up to ``max_actions_per_turn`` actions split on '||'.
+
+    Rewards add up; the episode stops at the first action that ends it; ``info["valid"]`` is
+    False if any action was invalid, and ``info["actions_executed"]`` says how many ran.
+    """
+    if host_options.max_actions_per_turn == 1:
+        return env.step(reply)
+    actions = [part.strip() for part in reply.split(ACTION_SEPARATOR)]
+    actions = [a for a in actions if a][: host_options.max_actions_per_turn] or [""]
+    total_reward = 0.0
+    valid = True
+    step = None
+    executed = 0
+    for action in actions:
+        executed += 1
+        step = env.step(action)
+        total_reward += step.reward
+        valid = valid and step.info.get("valid", True)
+        if step.done:
+            break
+    assert step is not None
+    return Step(
+        step.observation, total_reward, step.done, {**step.info, "valid": valid, "actions_executed": executed}
+    )
+
+
+async def _run(env: Env, call: Callable[[], T]) -> T:
+    if env.runs_inline:
+        return call()
+    return await asyncio.to_thread(call)
+
+
+def _first_errors(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in error['loc']) or 'options'}: {error['msg']}" for error in exc.errors()[:5]
+    )

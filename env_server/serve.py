@@ -1,0 +1,57 @@
+"""Running an env server. ``serve_command`` is both ``stargym env serve`` and ``python -m env_server``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from env_server.app import build_app
+from env_server.registry import EnvLoadError, load_envs
+from services.settings import EnvServerSettings
+
+FAMILY_PORTS = {"game": 8101, "embodied": 8102, "search": 8103, "web": 8104}
+
+
+def serve_command(
+    families: Annotated[list[str] | None, typer.Argument(help="Env families to host, e.g. 'game'.")] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", help="An env class, 'package.module:Class' or 'file.py:Class'."),
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address [STARGYM_HOST].")] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port; default: the family's (game 8101 …) [STARGYM_PORT].")
+    ] = None,
+    max_instances: Annotated[int | None, typer.Option(help="Instance limit [STARGYM_MAX_INSTANCES].")] = None,
+    instance_ttl_s: Annotated[float | None, typer.Option(help="Idle TTL [STARGYM_INSTANCE_TTL_S].")] = None,
+) -> None:
+    """Serve env families (and single env classes) over HTTP."""
+    families = families or []
+    overrides = {
+        "host": host,
+        "port": port,
+        "max_instances": max_instances,
+        "instance_ttl_s": instance_ttl_s,
+    }
+    settings = EnvServerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    if port is None and "port" not in settings.model_fields_set and len(families) == 1:
+        settings.port = FAMILY_PORTS.get(families[0], settings.port)
+    try:
+        env_classes = load_envs(families, env or [])
+    except EnvLoadError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    uvicorn.run(
+        build_app(env_classes, settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,  # a log line per env step would cost more than the step
+        loop="uvloop",
+        http="httptools",
+    )
+
+
+def main() -> None:
+    typer.run(serve_command)

@@ -1,0 +1,154 @@
+"""Pydantic models of the env HTTP API: the one definition both the env server and its clients use.
+
+Field names follow DESIGN.md ("Env HTTP API"); the AgentGym-compatible routes have their own
+models at the bottom, with AgentGym's exact field names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+JsonDict = dict[str, Any]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class WireModel(BaseModel):
+    """Strict about unknown fields, so a misspelt key is a 422 rather than silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(WireModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(WireModel):
+    error: ErrorBody
+
+
+class EnvSpec(WireModel):
+    """What ``GET /envs`` says about one environment."""
+
+    id: str = Field(description="'family/name', e.g. 'game/sokoban'.")
+    name: str
+    family: str
+    instruction: str
+    action_format: str
+    default_max_turns: int
+    reward_range: tuple[float, float]
+    options_schema: JsonDict = Field(description="JSON schema of the options accepted at create/reset.")
+
+
+class EnvList(WireModel):
+    envs: list[EnvSpec]
+
+
+class CreateInstance(WireModel):
+    env: str = Field(description="An id from GET /envs.", examples=["game/frozenlake"])
+    seed: Seed | None = Field(default=None, description="Same seed, same initial state. Random when omitted.")
+    options: JsonDict | None = None
+
+
+class InstanceCreated(WireModel):
+    instance_id: str
+    observation: str
+    info: JsonDict
+
+
+class StepRequest(WireModel):
+    action: str
+
+
+class StepResult(WireModel):
+    observation: str
+    reward: float
+    done: bool
+    info: JsonDict
+
+
+class ResetRequest(WireModel):
+    seed: Seed | None = None
+    options: JsonDict | None = Field(default=None, description="Omitted: keep the instance's options.")
+
+
+class Observed(WireModel):
+    """An observation with its info: what create and reset return besides the id."""
+
+    observation: str
+    info: JsonDict
+
+
+class InstanceState(WireModel):
+    instance_id: str
+    env: str
+    seed: int
+    options: JsonDict
+    observation: str
+    done: bool
+    turns: int
+    total_reward: float
+    created_at: float
+    last_used_at: float
+
+
+class InstanceList(WireModel):
+    instances: list[InstanceState]
+    count: int
+    limit: int
+
+
+class BatchStepItem(WireModel):
+    instance_id: str
+    action: str
+
+
+class BatchStepRequest(WireModel):
+    steps: list[BatchStepItem] = Field(max_length=4096)
+
+
+class BatchStepOutcome(WireModel):
+    """One entry per requested step, in order: either ``result`` or ``error`` is set."""
+
+    instance_id: str
+    result: StepResult | None = None
+    error: ErrorBody | None = None
+
+
+class BatchStepResponse(WireModel):
+    results: list[BatchStepOutcome]
+
+
+class Health(WireModel):
+    status: str = "ok"
+    service: str
+    version: str
+
+
+# AgentGym-compatible routes: AgentGym's own field names, so its unmodified clients work.
+
+
+class AgentGymCreated(BaseModel):
+    id: str
+
+
+class AgentGymStep(BaseModel):
+    id: str
+    action: str
+
+
+class AgentGymReset(BaseModel):
+    id: str
+    data_idx: int = 0
+
+
+class AgentGymClose(BaseModel):
+    id: str
+
+
+class AgentGymStepResult(BaseModel):
+    observation: str
+    reward: float
+    done: bool
