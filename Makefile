@@ -16,14 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# pytest's exit code 5 means it collected nothing: a suite that ran no test has failed.
 test: setup
-	$(PYTEST) tests
+	$(PYTEST) tests; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 test-fast: setup
 	$(PYTEST) tests -m "not slow and not vllm and not compose and not browser"
 
 demo: setup
-	$(BIN)/stargym demo
+	$(BIN)/python -m deploy.demo
 
 bench: setup
 	$(BIN)/python bench/env_server.py

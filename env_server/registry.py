@@ -33,7 +33,13 @@ def load_family(family: str) -> dict[str, type[Env]]:
         raise EnvLoadError(f"no registered env in family {family!r}; known families: {', '.join(families)}")
     classes = {}
     for ep in selected:
-        env_class = _check(ep.load(), ep.value)
+        try:
+            loaded = ep.load()
+        except Exception as exc:
+            raise EnvLoadError(
+                f"entry point {ep.name!r} ({ep.value}) fails to load: {_describe(exc)}"
+            ) from exc
+        env_class = _check(loaded, ep.value)
         if env_class.env_id() != ep.name:
             raise EnvLoadError(
                 f"entry point {ep.name!r} loads {ep.value}, whose id is {env_class.env_id()!r}"
@@ -54,8 +60,8 @@ def load_env_path(spec: str) -> type[Env]:
             sys.path.insert(0, "")  # a module next to where the user runs the command
         try:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise EnvLoadError(f"cannot import {target!r}: {exc}") from exc
+        except Exception as exc:  # an error inside the user's module too, not only a missing one
+            raise EnvLoadError(f"cannot import {target!r}: {_describe(exc)}") from exc
     try:
         loaded = getattr(module, class_name)
     except AttributeError:
@@ -84,8 +90,16 @@ def _import_file(path: Path):
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise EnvLoadError(f"cannot load env file {str(path)!r}: {_describe(exc)}") from exc
     return module
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _check(loaded: object, where: str) -> type[Env]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 JsonDict = dict[str, Any]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
@@ -128,10 +128,33 @@ class Health(WireModel):
 
 
 # AgentGym-compatible routes: AgentGym's own field names, so its unmodified clients work.
+# AgentGym's servers ignore fields they do not know (pydantic's default), and so do these.
+# Ids are our UUID strings where AgentGym has integers: its clients only echo the id they got.
+
+
+class AgentGymCreate(BaseModel):
+    """What AgentGym's TextCraft client sends to /create; its other clients send no body at all."""
+
+    minecraft_dir: str | None = Field(default=None, description="Ignored: our envs ship their own data.")
+    commands: str | None = Field(default=None, description="A custom task's recipes: not supported.")
+    goal: str | None = Field(default=None, description="A custom task's goal: not supported.")
+
+    @model_validator(mode="after")
+    def no_custom_task(self) -> AgentGymCreate:
+        if self.commands is not None or self.goal is not None:
+            raise ValueError(
+                "custom tasks (commands, goal) are not supported; pick a task with /reset data_idx"
+            )
+        return self
 
 
 class AgentGymCreated(BaseModel):
+    """TextCraft's /create answer (the others give only ``id``, a subset)."""
+
     id: str
+    observation: str
+    reward: float = 0.0
+    done: bool = False
 
 
 class AgentGymStep(BaseModel):
@@ -141,7 +164,7 @@ class AgentGymStep(BaseModel):
 
 class AgentGymReset(BaseModel):
     id: str
-    data_idx: int = 0
+    data_idx: Seed = Field(default=0, description="The task: our envs use it as the seed.")
 
 
 class AgentGymClose(BaseModel):
@@ -149,6 +172,24 @@ class AgentGymClose(BaseModel):
 
 
 class AgentGymStepResult(BaseModel):
+    """TextCraft's step answer plus BabyAI's and SciWorld's ``score`` (the episode's reward so far)."""
+
     observation: str
     reward: float
+    score: float
     done: bool
+
+
+class AgentGymResetResult(BaseModel):
+    """The union of what AgentGym's TextCraft, BabyAI and SciWorld clients read from /reset.
+
+    SciWorld's client shows ``task_description + "\n" + observation``; our observations already
+    state the task, so ``task_description`` is empty.
+    """
+
+    id: str
+    observation: str
+    reward: float = 0.0
+    score: float = 0.0
+    done: bool = False
+    task_description: str = ""
