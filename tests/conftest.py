@@ -87,3 +87,24 @@ def game_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
     )
     yield server
     stop_server(server.process)
+
+
+from services.redis_local import LocalRedis, start_redis_server  # noqa: E402  (appended with its fixtures)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    """A private ``redis-server`` for the session: loopback, a free port, nothing on disk.
+
+    ``start_redis_server`` picks the free port itself and picks again if another process takes
+    it before Redis binds, which a port chosen here could not.
+    """
+    server = start_redis_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: LocalRedis) -> str:
+    """URL of the session's Redis; tests that need a clean database flush it themselves."""
+    return redis_server.url

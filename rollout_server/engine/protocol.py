@@ -1,0 +1,127 @@
+"""The engine protocol's bodies, with vLLM's field names and shapes, so one client drives both engines.
+
+Requests list the subset of vLLM's ``CompletionRequest`` this engine honours; an unknown field is
+a 422 rather than silently ignored (vLLM ignores it), so a client never believes a setting took
+effect when it did not. Responses are vLLM's ``CompletionResponse`` as its server fills it for
+``logprobs: 0, return_token_ids: true``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions``; unset sampling fields take vLLM's defaults (T=1, top-p 1, no top-k)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: list[TokenId] | str = Field(description="Token ids (the worker's own tokens) or text.")
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(default=16, description="None: vLLM's 16.")
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="0: the sampled token's log-prob (the only count this engine serves)."
+    )
+    return_token_ids: bool | None = None
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = True
+    stream: Literal[False] | None = False
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    service_tier: None = None
+    system_fingerprint: None = None
+    usage: UsageInfo
+    kv_transfer_params: None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "stargym"
+    root: str
+    parent: None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CollectiveRpcRequest(BaseModel):
+    """vLLM passes ``method`` to every worker; this engine knows ``reload_weights`` only."""
+
+    method: str
+    args: list[str] = Field(default_factory=list)
+    kwargs: dict[str, str | None] = Field(default_factory=dict)
+    timeout: float | None = None
+
+
+class CollectiveRpcResponse(BaseModel):
+    results: list[None]
+
+
+class PauseStatus(BaseModel):
+    status: Literal["paused", "resumed"]
+
+
+class IsPaused(BaseModel):
+    is_paused: bool
+
+
+class WeightVersionUpdate(BaseModel):
+    new_version: str
+
+
+class WeightVersionUpdated(BaseModel):
+    success: bool = True
+    new_version: str
+
+
+class WeightInfo(BaseModel):
+    weight_version: str

@@ -1,0 +1,32 @@
+"""Settings of the CPU engine server, read from ``STARGYM_*`` variables and ``stargym engine serve`` flags."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field
+
+from services.settings import ServiceSettings
+
+
+def default_threads() -> int:
+    """Half the cores: the other half serves HTTP and the services beside the engine.
+
+    Measured on a busy 2-core machine, two intra-op threads made a tiny-model step 20-100 times
+    slower than one (the OpenMP threads wait on each other), so 2 cores get 1 thread.
+    """
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+class EngineSettings(ServiceSettings):
+    """The CPU engine: which model it serves and the limits that bound its memory."""
+
+    port: int = 8210
+    model: str = Field(default="models/tiny", description="A local Hugging Face causal-LM directory.")
+    served_model_name: str | None = Field(default=None, description="Name in /v1/models; default: the path.")
+    max_num_seqs: int = Field(default=64, gt=0, description="Sequences in flight; more get 429.")
+    max_model_len: int = Field(default=2048, gt=1, description="Prompt plus max_tokens; longer gets 400.")
+    threads: int = Field(default_factory=default_threads, gt=0, description="torch intra-op threads.")
+    prefix_cache_mb: float = Field(
+        default=256.0, ge=0, description="KV of finished sequences kept for prompts that extend them; 0: off."
+    )

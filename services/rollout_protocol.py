@@ -1,0 +1,179 @@
+"""Pydantic models of what travels through Redis between the trainer and the rollout workers.
+
+One definition of the rollout job, the trajectory and the policy pointer, and of the Redis names
+they live under (DESIGN.md, "Rollout job", "Trajectory", "Delivery", "Weights"). Every stream
+entry carries a single field, :data:`DATA_FIELD`, holding the model's JSON; unknown fields are a
+validation error so that a producer and a consumer that disagree fail loudly instead of training
+on silently dropped data.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Self
+
+from pydantic import ConfigDict, Field, model_validator
+
+from services.protocol import Seed, WireModel
+
+JOBS_STREAM = "stargym:jobs"
+"""Stream of :class:`RolloutJob`, written by the trainer's controller, read by rollout workers."""
+TRAJECTORIES_STREAM = "stargym:trajectories"
+"""Stream of :class:`Trajectory`, written by rollout workers, read by the trainer."""
+POLICY_KEY = "stargym:policy"
+"""Hash ``{version, path}``: the newest published policy (see :class:`PolicyPointer`)."""
+POLICY_UPDATES_CHANNEL = "stargym:policy-updates"
+"""Pub/sub channel; each message is a :class:`PolicyPointer` as JSON."""
+ROLLOUT_GROUP = "rollout"
+"""Consumer group of the rollout workers on :data:`JOBS_STREAM`."""
+TRAINER_GROUP = "trainer"
+"""Consumer group of the trainer on :data:`TRAJECTORIES_STREAM`."""
+DONE_KEY_PREFIX = "stargym:done:"
+"""``stargym:done:<job_id>`` exists once that job's trajectory is in the stream (deduplication)."""
+DEAD_LETTER_SUFFIX = ":dead"
+"""Entries that cannot be parsed are moved to ``<stream>:dead`` with the reason."""
+DATA_FIELD = "data"
+"""The one field of every stream entry: the model's JSON."""
+
+ActionFormat = Literal["plain", "answer_tags"]
+
+
+class RolloutWireModel(WireModel):
+    """Forbids unknown fields (inherited) and NaN/inf, which JSON cannot carry faithfully."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class SamplingParams(RolloutWireModel):
+    """How every turn of the episode is sampled; the names are the engine protocol's (vLLM's)."""
+
+    temperature: float = Field(default=1.0, ge=0.0, description="0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1, description="None: no top-k cut.")
+    max_tokens: int = Field(default=256, gt=0, description="Per turn, not per episode.")
+    seed: int | None = Field(
+        default=None, ge=0, description="Base seed of the episode's sampling; None: engine's choice."
+    )
+
+
+class JobFields(RolloutWireModel):
+    """The fields a trajectory repeats from its job, so the trainer needs nothing but the trajectory."""
+
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1)
+    run_id: str = Field(min_length=1)
+    env: str = Field(description="An env id such as 'game/frozenlake'.", min_length=1)
+    seed: Seed = Field(description="Env seed: same seed, same initial state.")
+    group_id: str = Field(min_length=1, description="Jobs of one group share the initial state (GRPO).")
+    max_turns: int = Field(gt=0, description="From the ScalingInter-RL horizon schedule.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    policy_version: int = Field(ge=0)
+    action_format: ActionFormat | None = Field(default=None, description="None: the env's own action format.")
+    options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
+    created_at: float = Field(default_factory=time.time, description="Unix time the job was issued.")
+
+
+class RolloutJob(JobFields):
+    """One episode to play: what the controller puts on :data:`JOBS_STREAM`.
+
+    ``policy_version`` is the version the controller expected to be served when it issued the
+    job; the trajectory reports the one actually used.
+    """
+
+
+class Turn(RolloutWireModel):
+    """One exchange: the observation the model answered, what it sampled, and what the env did."""
+
+    observation: str = Field(description="The env text the model saw before this response.")
+    response: str = Field(description="The decoded sampled text.")
+    actions: list[str] = Field(
+        default_factory=list,
+        description="Actions parsed from the response, in the order sent to the env. 'plain' gives "
+        "one; 'answer_tags' up to max_actions_per_turn; empty when nothing parsed.",
+    )
+    reward: float = Field(description="Sum of the env rewards of this turn's actions, with penalties.")
+    done: bool
+    valid: bool = Field(description="False when the env rejected an action or nothing parsed.")
+    policy_version: int = Field(ge=0, description="Version of the weights this response was sampled under.")
+    prompt_tokens: int = Field(
+        ge=0, description="Tokens appended before the response (observation, chat template); loss mask 0."
+    )
+    response_tokens: int = Field(ge=0, description="Sampled tokens of this turn; loss mask 1.")
+
+
+class Trajectory(JobFields):
+    """A played episode: what a rollout worker puts on :data:`TRAJECTORIES_STREAM`.
+
+    Token-level fields are aligned, one entry per token of the whole episode context:
+    ``token_ids`` are the exact ids in the context (never re-tokenised text), ``loss_mask`` is 1
+    on sampled (assistant) tokens and 0 elsewhere, and ``logprobs`` holds the behaviour
+    log-probability of each sampled token and exactly 0.0 on every token with mask 0. Keeping
+    one length for the three lets the trainer build its tensors without bookkeeping.
+
+    ``policy_version`` is the *oldest* version any turn was sampled under, so that staleness
+    checks are conservative when weights changed mid-episode.
+    """
+
+    turns: list[Turn] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    reward: float = Field(default=0.0, description="Episode return: the sum of the turn rewards.")
+    success: bool = False
+    num_turns: int = Field(default=0, ge=0)
+    truncated: bool = Field(
+        default=False, description="Ended by the context limit or max_turns, not by the env."
+    )
+    error: str | None = Field(default=None, description="Why the episode failed; None when it did not.")
+    timings: dict[str, float] = Field(
+        default_factory=dict, description="Seconds, e.g. 'total_s', 'generate_s', 'env_s', 'queue_wait_s'."
+    )
+    worker_id: str = Field(min_length=1)
+
+    @classmethod
+    def from_job(cls, job: RolloutJob, **results: Any) -> Self:
+        """The job's fields plus ``results``; ``results`` may override ``policy_version``."""
+        return cls.model_validate({**job.model_dump(), **results})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"token_ids, loss_mask and logprobs must have one length; got {n}, "
+                f"{len(self.loss_mask)}, {len(self.logprobs)}"
+            )
+        if not set(self.loss_mask) <= {0, 1}:
+            raise ValueError("loss_mask holds only 0 and 1")
+        if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if m == 0):
+            raise ValueError("logprobs must be 0.0 where loss_mask is 0")
+        if self.num_turns != len(self.turns):
+            raise ValueError(f"num_turns is {self.num_turns} but there are {len(self.turns)} turns")
+        if self.num_turns > self.max_turns:
+            raise ValueError(f"num_turns {self.num_turns} exceeds max_turns {self.max_turns}")
+        sampled = sum(turn.response_tokens for turn in self.turns)
+        if sampled != sum(self.loss_mask):
+            raise ValueError(f"turns sampled {sampled} tokens but loss_mask covers {sum(self.loss_mask)}")
+        if self.turns and self.policy_version != min(turn.policy_version for turn in self.turns):
+            raise ValueError("policy_version must be the oldest version any turn was sampled under")
+        return self
+
+
+class PolicyPointer(RolloutWireModel):
+    """The newest published policy: hash :data:`POLICY_KEY` holds its fields as strings."""
+
+    version: int = Field(ge=0)
+    path: str = Field(min_length=1, description="A 'policy-v<N>/' directory in Hugging Face layout.")
+
+    def to_hash(self) -> dict[str, str]:
+        return {"version": str(self.version), "path": self.path}
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes | str, bytes | str]) -> Self:
+        """Parse an ``HGETALL`` reply, whether the client decodes responses or not."""
+        text = {_text(key): _text(value) for key, value in fields.items()}
+        return cls.model_validate(text)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

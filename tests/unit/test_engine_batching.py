@@ -1,0 +1,171 @@
+"""Continuous batching in-process: the batch cache's bookkeeping, and batched results equal solo ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+from rollout_server.engine.kv_cache import BatchKVCache
+from rollout_server.engine.sampling import SamplingParams
+from rollout_server.engine.scheduler import Engine, FinishReason, PauseMode, Sequence
+from services.tiny_model import build_model, build_tokenizer
+
+TEXTS = ["You are walking on a frozen lake.", "P _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\nReach G and avoid O."]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(build_tokenizer(TEXTS, ["Left", "Down", "Right", "Up"]), seed=0)
+
+
+@pytest.fixture
+def engine(model):
+    engine = Engine(model, max_num_seqs=16, max_model_len=256, eos_token_id=None)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def random_kv(length: int, value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.full((1, 1, length, 4), value), torch.full((1, 1, length, 4), -value)) for _ in range(2)]
+
+
+def test_cache_rows_keep_their_tokens_through_joins_leaves_and_growth() -> None:
+    cache = BatchKVCache(num_layers=2, max_rows=4, max_length=600)
+    rows = {}
+    for value, length in [(1.0, 3), (2.0, 7), (3.0, 2)]:
+        rows[value] = cache.insert(random_kv(length, value))
+    assert cache.end == 7
+    assert cache.attention_mask().tolist()[2] == [0, 0, 0, 0, 0, 1, 1, 1]
+    cache.remove(rows[2.0])  # the longest leaves: row of 3.0 moves into its place, columns compact
+    assert cache.rows == 2 and cache.end == 3
+    keys, values = cache.extract(1)[0]
+    assert keys.shape == (1, 1, 2, 4) and torch.all(keys == 3.0) and torch.all(values == -3.0)
+    cache.insert(random_kv(500, 4.0))  # longer than the buffer: the batch shifts right and grows
+    assert cache.capacity >= 500 and cache.end == 500
+    keys, _ = cache.extract(0)[1]
+    assert keys.shape[2] == 3 and torch.all(keys == 1.0)
+    assert cache.positions().squeeze(1).tolist() == [3, 2, 500]
+
+
+def params(seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, seed=seed)
+
+
+def run(engine: Engine, prompts: list[list[int]], seeds: list[int], max_tokens: list[int]) -> list[Sequence]:
+    sequences = [
+        Sequence(prompt, params(seed, tokens))
+        for prompt, seed, tokens in zip(prompts, seeds, max_tokens, strict=True)
+    ]
+    engine.submit(sequences)
+    return [sequence.done.result(timeout=60) for sequence in sequences]
+
+
+def test_batched_equals_solo_with_ragged_prompts_and_lengths(engine: Engine, model) -> None:
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(12)]
+    max_tokens = [rng.randrange(1, 40) for _ in prompts]
+    seeds = list(range(12))
+    batched = run(engine, prompts, seeds, max_tokens)
+    for index, prompt in enumerate(prompts):
+        (solo,) = run(engine, [prompt], [seeds[index]], [max_tokens[index]])
+        assert batched[index].output == solo.output
+        assert batched[index].logprobs == pytest.approx(solo.logprobs, abs=1e-4)
+        assert len(solo.output) == max_tokens[index] and solo.finish_reason is FinishReason.LENGTH
+
+
+def test_pause_wait_holds_new_work_until_resume(engine: Engine) -> None:
+    (first,) = run(engine, [[1, 2, 3]], [0], [5])
+    engine.pause(PauseMode.WAIT).result(timeout=60)
+    held = Sequence([1, 2, 3], params(0, 5))
+    engine.submit([held])
+    assert engine.in_flight == 1 and not held.done.done()
+    engine.resume()
+    assert held.done.result(timeout=60).output == first.output
+
+
+def test_pause_abort_ends_in_flight_sequences(engine: Engine) -> None:
+    long = Sequence([1, 2, 3], params(0, 250))
+    engine.submit([long])
+    engine.pause(PauseMode.ABORT).result(timeout=60)
+    assert long.done.result(timeout=60).finish_reason is FinishReason.ABORT
+    assert engine.in_flight == 0
+    engine.resume()
+
+
+def test_multi_turn_prompts_reuse_their_prefix_and_sample_the_same(model) -> None:
+    """Turn 2 extends turn 1's prompt and reply: with reuse on, the same tokens and log-probs."""
+    results = []
+    for cache_bytes in (0, 1 << 24):
+        engine = Engine(
+            model, max_num_seqs=4, max_model_len=256, eos_token_id=None, prefix_cache_bytes=cache_bytes
+        )
+        engine.start()
+        try:
+            first = [list(range(5, 45)), list(range(60, 110))]
+            turn_one = run(engine, first, [1, 2], [6, 1])
+            second = [prompt + seq.output + [7, 8, 9] for prompt, seq in zip(first, turn_one, strict=True)]
+            turn_two = run(engine, second, [3, 4], [6, 6])
+            results.append((turn_one + turn_two, engine.stats.reused_prompt_tokens))
+        finally:
+            engine.stop()
+    (plain, no_reuse), (reused, reuse) = results
+    assert no_reuse == 0 and reuse >= 32 + 48
+    for without, with_reuse in zip(plain, reused, strict=True):
+        assert with_reuse.output == without.output
+        assert with_reuse.logprobs == pytest.approx(without.logprobs, abs=1e-4)
+
+
+def other_architecture(name: str):
+    """Small random models of other families: grouped KV heads, absolute positions, a sliding window."""
+    torch.manual_seed(0)
+    if name == "llama":
+        config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        return LlamaForCausalLM(config).eval()
+    if name == "gpt2":
+        return GPT2LMHeadModel(
+            GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+        ).eval()
+    config = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=24)  # fmt: skip
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral"])
+def test_any_causal_lm_batches_exactly(name: str) -> None:
+    """Batched log-probs equal ``log_softmax(logits / T)`` of a plain forward pass of the model."""
+    model = other_architecture(name)
+    engine = Engine(model, max_num_seqs=8, max_model_len=256, eos_token_id=None, prefix_cache_bytes=1 << 24)
+    engine.start()
+    rng = random.Random(1)
+    sequences = [
+        Sequence(
+            [rng.randrange(300) for _ in range(rng.randrange(3, 50))],
+            SamplingParams(0.9, max_tokens=30, seed=i),
+        )
+        for i in range(8)
+    ]  # 30 new tokens: past mistral's window of 24
+    try:
+        engine.submit(sequences)
+        finished = [sequence.done.result(timeout=60) for sequence in sequences]
+    finally:
+        engine.stop()
+    with torch.no_grad():
+        for sequence in finished:
+            logits = model(input_ids=torch.tensor([sequence.prompt + sequence.output])).logits[0]
+            logprobs = torch.log_softmax(logits / 0.9, dim=-1)
+            start = len(sequence.prompt) - 1
+            expected = [logprobs[start + i, token].item() for i, token in enumerate(sequence.output)]
+            assert sequence.logprobs == pytest.approx(expected, abs=1e-4)
