@@ -43,6 +43,7 @@ demo: setup
 
 bench: setup
 	$(BIN)/python bench/env_server.py
+	$(BIN)/python bench/engine.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -483,7 +483,7 @@ def render(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     in_process = results["in_process"]["steps_per_s"]
     table = Table(
         title=f"env server: {results['env']}, {results['machine']['cpus']} cores shared by client and server",

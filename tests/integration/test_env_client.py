@@ -422,3 +422,36 @@ async def test_client_must_be_opened() -> None:
     client = EnvClient("http://127.0.0.1:1")
     with pytest.raises(RuntimeError, match="async with"):
         await client.health()
+
+
+async def test_max_connections_bounds_requests_in_flight() -> None:
+    in_flight = {"now": 0, "most": 0}
+
+    async def answer_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            in_flight["now"] += 1
+            in_flight["most"] = max(in_flight["most"], in_flight["now"])
+            await asyncio.sleep(0.02)
+            in_flight["now"] -= 1
+            body = b'{"observation": "o", "reward": 0.0, "done": false, "info": {}}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+            )
+            writer.write(body)
+            await writer.drain()
+            try:  # keep-alive: the next request on this connection, until the client hangs up
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(len(b'{"action":"Up"}'))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+
+    async def first_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(len(b'{"action":"Up"}'))
+        await answer_slowly(reader, writer)
+
+    server, url, connections = await fake_server(first_body)
+    async with server, EnvClient(url, max_connections=2) as client:
+        results = await asyncio.gather(*(client.step("some-id", "Up") for _ in range(10)))
+    assert all(result.observation == "o" for result in results)
+    assert in_flight["most"] == 2
+    assert len(connections) == 2  # and the two connections were kept alive and reused
