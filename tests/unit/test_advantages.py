@@ -1,0 +1,200 @@
+"""Reward placement and advantage estimators on small hand-computed episodes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.algorithms.advantages import (
+    episode_scores,
+    gae_advantages,
+    grpo_advantages,
+    last_trainable_index,
+    normalize_group_scores,
+    place_rewards,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
+
+# One 2-turn episode: prompt P P | reply A A | observation O O | reply A A | template token X.
+#                     index       0 1         2 3               4 5         6 7                 8
+TWO_TURN_MASK = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0]])
+
+
+def assert_close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+
+
+# --- reward placement ---------------------------------------------------------------------------
+
+
+def test_last_trainable_index_skips_trailing_masked_tokens_and_marks_empty_rows() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0, 0, 0], [0] * 9])
+    assert last_trainable_index(mask).tolist() == [7, 1, -1]
+
+
+def test_outcome_reward_lands_on_last_trainable_token_not_last_token() -> None:
+    rewards = place_rewards(torch.tensor([2.5]), TWO_TURN_MASK)
+    expected = [0, 0, 0, 0, 0, 0, 0, 2.5, 0]
+    assert_close(rewards[0], expected)
+
+
+def test_per_turn_rewards_land_on_each_turns_last_trainable_token() -> None:
+    # turn 1 ends at its observation's last token (5); turn 2 at the template token (8).
+    rewards = place_rewards(
+        torch.tensor([1.0]), TWO_TURN_MASK, turn_rewards=[[-0.1, 0.5]], turn_end_indices=[[5, 8]]
+    )
+    assert_close(rewards[0], [0, 0, 0, -0.1, 0, 0, 0, 1.5, 0])
+
+
+def test_turn_without_trainable_token_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no trainable token"):
+        place_rewards(torch.tensor([1.0]), TWO_TURN_MASK, turn_rewards=[[1.0]], turn_end_indices=[[1]])
+
+
+def test_reward_on_masked_token_is_lost_by_gae_and_reinforce_pp_but_ours_is_not() -> None:
+    """AgentGym-RL puts the outcome reward on the episode's last token, an observation/template
+    token that the mask removes; GAE and REINFORCE++ only walk trainable tokens, so it vanishes."""
+    mask = torch.cat([TWO_TURN_MASK, TWO_TURN_MASK])
+    values = torch.zeros(2, 9)
+    buggy = torch.zeros(2, 9)
+    buggy[:, -1] = torch.tensor([1.0, 0.0])  # reward on the (masked) last token
+
+    adv_buggy, _ = gae_advantages(buggy, values, mask, gamma=1.0, lam=1.0)
+    assert adv_buggy.abs().sum().item() == 0.0  # the bug: the reward never reaches the policy
+    _, ret_buggy = reinforce_plus_plus_advantages(buggy, mask)
+    assert ret_buggy.abs().sum().item() == 0.0
+
+    ours = place_rewards(torch.tensor([1.0, 0.0]), mask)
+    adv, _ = gae_advantages(ours, values, mask, gamma=1.0, lam=1.0)
+    # gamma = lam = 1, zero values: every trainable token of the winning episode gets advantage 1
+    assert adv[0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 0]
+    assert adv[1].abs().sum().item() == 0.0
+    _, ret = reinforce_plus_plus_advantages(ours, mask)
+    assert ret[0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 0]
+
+
+def test_episode_scores_sum_rewards_on_trainable_tokens() -> None:
+    rewards = place_rewards(
+        torch.tensor([1.0]), TWO_TURN_MASK, turn_rewards=[[-0.25, 0.5]], turn_end_indices=[[3, 7]]
+    )
+    assert_close(episode_scores(rewards, TWO_TURN_MASK), [1.25])
+
+
+# --- GAE ----------------------------------------------------------------------------------------
+
+
+def test_gae_two_turn_episode_skips_observation_tokens() -> None:
+    # Trainable values: v2=0.5 v3=0.4 v6=0.6 v7=0.8; masked positions hold 9.0, which must never
+    # be used as a bootstrap value. Reward 1 on token 7; gamma 0.9, lam 0.8 (gamma*lam = 0.72).
+    values = torch.tensor([[9.0, 9.0, 0.5, 0.4, 9.0, 9.0, 0.6, 0.8, 9.0]])
+    rewards = place_rewards(torch.tensor([1.0]), TWO_TURN_MASK)
+    adv, ret = gae_advantages(rewards, values, TWO_TURN_MASK, gamma=0.9, lam=0.8)
+    # t=7: delta = 1 + 0.9*0 - 0.8 = 0.2                     A7 = 0.2
+    # t=6: delta = 0 + 0.9*0.8 - 0.6 = 0.12                  A6 = 0.12 + 0.72*0.2   = 0.264
+    # t=3: next value is v6 (first token of turn 2):
+    #      delta = 0 + 0.9*0.6 - 0.4 = 0.14                  A3 = 0.14 + 0.72*0.264 = 0.33008
+    # t=2: delta = 0 + 0.9*0.4 - 0.5 = -0.14                 A2 = -0.14 + 0.72*0.33008 = 0.0976576
+    assert_close(adv[0], [0, 0, 0.0976576, 0.33008, 0, 0, 0.264, 0.2, 0])
+    assert_close(ret[0], [0, 0, 0.5976576, 0.73008, 0, 0, 0.864, 1.0, 0])
+
+
+def test_gae_rows_are_independent_and_padding_is_zero() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    values = torch.tensor([[0.0, 0.0, 5.0], [0.25, 5.0, 5.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.5, lam=1.0)
+    # row 0: A1 = 1, A0 = 0 + 0.5*0 - 0 + 0.5*1 = 0.5; row 1: A0 = 1 - 0.25 = 0.75
+    assert_close(adv, [[0.5, 1.0, 0.0], [0.75, 0.0, 0.0]])
+    assert_close(ret, [[0.5, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+# --- GRPO and the normalisers -----------------------------------------------------------------
+
+
+# Two groups of two: group "a" rewards (0, 0), group "b" (0, 4): a rare large payout.
+SCORES = torch.tensor([0.0, 0.0, 0.0, 4.0])
+GROUPS = ["a", "a", "b", "b"]
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1], [1, 1, 1]])
+
+
+def test_grpo_with_std_divides_by_the_group_std() -> None:
+    # group b: mean 2, unbiased std sqrt(((-2)^2 + 2^2) / 1) = sqrt(8); (0-2)/sqrt(8) = -1/sqrt(2)
+    # group a: all equal -> centred 0, std 0: 0 / (0 + eps) = 0
+    adv, ret = grpo_advantages(SCORES, MASK, GROUPS, norm_by_std=True)
+    h = 1 / math.sqrt(2)
+    assert_close(adv, [[0, 0, 0], [0, 0, 0], [0, -h, -h], [h, h, h]], atol=1e-5)
+    assert torch.equal(adv, ret)
+
+
+def test_grpo_without_std_only_subtracts_the_group_mean() -> None:
+    adv, _ = grpo_advantages(SCORES, MASK, GROUPS, norm_by_std=False)
+    assert_close(adv, [[0, 0, 0], [0, 0, 0], [0, -2, -2], [2, 2, 2]])
+
+
+def test_grpo_group_of_three() -> None:
+    adv, _ = grpo_advantages(torch.tensor([2.0, 4.0, 6.0]), torch.ones(3, 1), [7, 7, 7], eps=0.0)
+    # mean 4, unbiased std sqrt((4 + 0 + 4) / 2) = 2
+    assert_close(adv[:, 0], [-1.0, 0.0, 1.0])
+
+
+def test_batch_normaliser_uses_group_mean_and_batch_std() -> None:
+    # batch of scores (0, 0, 0, 4): mean 1, unbiased var (1+1+1+9)/3 = 4, std 2
+    per_episode = normalize_group_scores(SCORES, GROUPS, "batch", eps=0.0)
+    assert_close(per_episode, [0.0, 0.0, -1.0, 1.0])
+    adv, _ = grpo_advantages(SCORES, MASK, GROUPS, norm_adv="batch", eps=0.0)
+    assert_close(adv, [[0, 0, 0], [0, 0, 0], [0, -1, -1], [1, 1, 1]])
+
+
+def test_norm_adv_none_and_group_match_the_norm_by_std_switch() -> None:
+    none = normalize_group_scores(SCORES, GROUPS, "none")
+    assert_close(none, [0.0, 0.0, -2.0, 2.0])
+    adv_group, _ = grpo_advantages(SCORES, MASK, GROUPS, norm_adv="group")
+    adv_std, _ = grpo_advantages(SCORES, MASK, GROUPS, norm_by_std=True)
+    assert torch.equal(adv_group, adv_std)
+    with pytest.raises(ValueError):
+        normalize_group_scores(SCORES, GROUPS, "batchy")  # type: ignore[arg-type]
+
+
+def test_group_ids_may_be_a_tensor_and_a_group_of_one_gets_zero() -> None:
+    adv, _ = grpo_advantages(
+        torch.tensor([3.0, 1.0, 5.0]), torch.ones(3, 2), torch.tensor([4, 9, 4]), eps=0.0
+    )
+    # group 4: (3, 5) mean 4 std sqrt(2) -> -/+ 1/sqrt(2); group 9: alone -> 0
+    h = 1 / math.sqrt(2)
+    assert_close(adv, [[-h, -h], [0, 0], [h, h]])
+
+
+# --- RLOO -----------------------------------------------------------------------------------------
+
+
+def test_rloo_leave_one_out_baseline() -> None:
+    scores = torch.tensor([1.0, 2.0, 6.0, 5.0])
+    adv, ret = rloo_advantages(
+        scores, torch.tensor([[1, 1], [1, 0], [0, 1], [1, 1]]), ["g", "g", "g", "solo"]
+    )
+    # 1 - (2+6)/2 = -3; 2 - (1+6)/2 = -1.5; 6 - (1+2)/2 = 4.5; a group of one -> 0
+    assert_close(adv, [[-3, -3], [-1.5, 0], [0, 4.5], [0, 0]])
+    assert torch.equal(adv, ret)
+
+
+# --- REINFORCE++ ----------------------------------------------------------------------------------
+
+
+def test_reinforce_plus_plus_discounted_returns_then_whitened() -> None:
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 0, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, -1.0, 0.0, 0.0]])
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5, eps=0.0)
+    # row 0: G3 = 1, G1 = 0.5 * G3 = 0.5 (token 2 is an observation: skipped), G0 = 0.25
+    # row 1: G1 = -1, G0 = -0.5
+    assert_close(ret, [[0.25, 0.5, 0.0, 1.0], [-0.5, -1.0, 0.0, 0.0]])
+    # masked returns (0.25, 0.5, 1, -0.5, -1): mean 0.05,
+    # unbiased var (0.2^2 + 0.45^2 + 0.95^2 + 0.55^2 + 1.05^2) / 4 = 2.55 / 4 = 0.6375
+    sd = math.sqrt(0.6375)
+    expected = [
+        [0.2 / sd, 0.45 / sd, 0.0, 0.95 / sd],
+        [-0.55 / sd, -1.05 / sd, 0.0, 0.0],
+    ]
+    assert_close(adv, expected, atol=1e-5)

@@ -1,0 +1,210 @@
+"""Run configs: every recipe in configs/ validates, errors name the key path, the preset switch."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import PRESETS, ConfigError, TrainConfig, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+ENV_CLASSES = {ep.name: ep for ep in entry_points(group="stargym.envs")}
+
+
+def problems_of(data: dict, tmp_path: Path) -> dict[str, str]:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(path) in str(caught.value)
+    return dict(caught.value.problems)
+
+
+def test_the_expected_recipes_exist() -> None:
+    names = {path.stem for path in CONFIGS}
+    assert {
+        "bandit-tiny",
+        "frozenlake-tiny",
+        "sokoban-tiny",
+        "textcraft-qwen2.5-7b-gpu",
+        "sokoban-qwen2.5-0.5b-gpu",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)
+def test_every_config_file_validates(path: Path) -> None:
+    config = load_config(path)
+    assert config.run.name
+    assert config.hardware.strip()
+    if path.stem.endswith("-gpu"):  # a GPU recipe says which GPUs, and never makes a tiny model
+        assert any(gpu in config.hardware for gpu in ("A100", "H100", "GPU"))
+        assert not config.model.init_tiny_if_missing
+    else:
+        assert "CPU" in config.hardware
+    for env in config.envs.mix:  # env options are checked against the env's own model
+        assert env.id in ENV_CLASSES, f"{path.name}: unknown env {env.id}"
+        ENV_CLASSES[env.id].load().Options.model_validate(env.options or {})
+    # round trip: the dump of a validated config is itself a valid config with the same values
+    assert TrainConfig.from_dict(yaml.safe_load(config.to_yaml())) == config
+
+
+def test_recipes_say_what_the_issue_says() -> None:
+    by_name = {path.stem: load_config(path) for path in CONFIGS}
+    bandit = by_name["bandit-tiny"]
+    assert bandit.algorithm.norm_adv == "batch"
+    lake = by_name["frozenlake-tiny"]
+    assert (lake.rollout.groups_per_batch, lake.rollout.group_size) == (16, 8)
+    assert lake.algorithm.advantage == "grpo" and lake.optim.lr == pytest.approx(2e-3)
+    assert lake.envs.mix[0].options == {"size": 4} and lake.curriculum.max_turns_at(10_000) == 8
+    assert lake.rollout.action_format == "plain" and lake.model.path == "models/tiny"
+    craft = by_name["textcraft-qwen2.5-7b-gpu"]
+    assert craft.curriculum.horizon_schedule == [(0, 10), (100, 20), (200, 30)]
+    turns = [craft.curriculum.max_turns_at(step) for step in (0, 99, 100, 199, 200, 10_000)]
+    assert turns == [10, 10, 20, 20, 30, 30]
+    assert craft.algorithm.advantage == "grpo" and craft.optim.lr == pytest.approx(1e-6)
+    assert craft.rollout.group_size == 8 and craft.algorithm.kl_coef == pytest.approx(0.001)
+    assert "7B" in craft.model.path
+    sokoban = by_name["sokoban-qwen2.5-0.5b-gpu"]
+    assert sokoban.preset == "starpo_s" and sokoban.starpo_s.filter.enabled
+    assert (sokoban.rollout.groups_per_batch, sokoban.rollout.group_size) == (8, 16)
+    assert tuple(sokoban.envs.mix[0].options["dim"]) == (6, 6)
+
+
+def test_defaults_follow_the_design() -> None:
+    config = TrainConfig()
+    algorithm = config.algorithm
+    assert (algorithm.clip_low, algorithm.clip_high, algorithm.dual_clip) == (0.2, 0.28, 3.0)
+    assert (algorithm.entropy_coef, algorithm.kl_coef, algorithm.loss_agg) == (0.001, 0.0, "token-mean")
+    assert config.starpo_s.filter.ratio == 0.25 and config.starpo_s.filter.mode == "std"
+    assert config.dashboard.port == 8300 and config.model.path == "models/tiny"
+    assert config.metrics.wandb.mode == "offline"
+    assert config.run_dir == Path("checkpoints") / config.run.name
+    assert config.envs.url_for("game/frozenlake") == "http://127.0.0.1:8101"
+    assert config.envs.url_for("web/shop") == "http://127.0.0.1:8104"
+
+
+def test_unknown_keys_are_named_with_their_path(tmp_path: Path) -> None:
+    problems = problems_of(
+        {
+            "algorithm": {"clip_hgih": 0.3},
+            "rollout": {"sampling": {"temprature": 0.7}},
+            "envs": {"mix": [{"id": "game/bandit"}, {"id": "game/frozenlake", "wieght": 2}]},
+            "bogus": 1,
+        },
+        tmp_path,
+    )
+    expected = {"algorithm.clip_hgih", "rollout.sampling.temprature", "envs.mix[1].wieght", "bogus"}
+    assert set(problems) == expected
+    assert "did you mean 'clip_high'" in problems["algorithm.clip_hgih"]
+    assert "did you mean 'temperature'" in problems["rollout.sampling.temprature"]
+    assert "unknown key" in problems["bogus"]
+
+
+def test_wrong_types_are_named_with_their_path(tmp_path: Path) -> None:
+    problems = problems_of(
+        {
+            "rollout": {"group_size": "eight", "action_format": "xml"},
+            "optim": {"bf16": "yes", "lr": -1},
+            "algorithm": {"norm_adv": "grup"},
+        },
+        tmp_path,
+    )
+    assert set(problems) == {
+        "rollout.group_size",
+        "rollout.action_format",
+        "optim.bf16",
+        "optim.lr",
+        "algorithm.norm_adv",
+    }
+    assert "'eight'" in problems["rollout.group_size"]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "fragment"),
+    [
+        ([[0, 6], [100, 13], [100, 20]], "steps must increase"),
+        ([[5, 6]], "start at step 0"),
+        ([], "at least one stage"),
+        ([[0, 0]], "max turns must be >= 1"),
+    ],
+)
+def test_bad_horizon_schedules(tmp_path: Path, schedule: list, fragment: str) -> None:
+    problems = problems_of({"curriculum": {"horizon_schedule": schedule}}, tmp_path)
+    assert fragment in problems["curriculum.horizon_schedule"]
+
+
+def test_bad_schedule_shape_names_the_entry(tmp_path: Path) -> None:
+    problems = problems_of({"curriculum": {"horizon_schedule": [[0, 6], [100, "many"]]}}, tmp_path)
+    assert list(problems) == ["curriculum.horizon_schedule[1][1]"]
+
+
+def test_cross_field_problems_name_the_key(tmp_path: Path) -> None:
+    problems = problems_of(
+        {"envs": {"train_seeds": [0, 100], "eval_seeds": [50, 150], "mix": [{"id": "game/bandit"}] * 2}},
+        tmp_path,
+    )
+    assert set(problems) == {"envs.eval_seeds", "envs.mix[1].id"}
+    problems = problems_of({"algorithm": {"advantage": "gae"}}, tmp_path)
+    assert list(problems) == ["algorithm.critic.enabled"]
+
+
+def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+
+
+def test_overrides_use_dotted_keys(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("run: {name: x}\n")
+    config = load_config(path, {"optim.lr": 1e-4, "metrics.wandb.enabled": True})
+    assert config.optim.lr == 1e-4 and config.metrics.wandb.enabled
+
+
+VANILLA = {"filter": False, "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}
+STARPO_S = {"filter": True, "kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28}
+
+
+def switched(config: TrainConfig) -> dict:
+    return {
+        "filter": config.starpo_s.filter.enabled,
+        "kl_coef": config.algorithm.kl_coef,
+        "clip_low": config.algorithm.clip_low,
+        "clip_high": config.algorithm.clip_high,
+    }
+
+
+def test_the_preset_switch_gives_vanilla_starpo_in_one_key() -> None:
+    recipe = yaml.safe_load(next(p for p in CONFIGS if p.stem == "sokoban-qwen2.5-0.5b-gpu").read_text())
+    assert switched(TrainConfig.from_dict(recipe)) == STARPO_S
+    recipe["preset"] = "starpo"
+    vanilla = TrainConfig.from_dict(recipe)
+    assert switched(vanilla) == VANILLA
+    # everything the preset does not own is unchanged
+    assert vanilla.starpo_s.filter.ratio == 0.25 and vanilla.algorithm.advantage == "gae"
+    assert set(PRESETS["starpo"]) == set(PRESETS["starpo_s"])
+
+
+def test_a_preset_refuses_conflicting_explicit_values() -> None:
+    assert switched(TrainConfig.from_dict({"preset": "starpo", "algorithm": {"kl_coef": 0.001}})) == VANILLA
+    with pytest.raises(ConfigError) as caught:
+        TrainConfig.from_dict(
+            {"preset": "starpo", "algorithm": {"clip_high": 0.28}, "starpo_s": {"filter": {"enabled": True}}}
+        )
+    problems = dict(caught.value.problems)
+    assert set(problems) == {"algorithm.clip_high", "starpo_s.filter.enabled"}
+    assert "preset 'starpo'" in problems["algorithm.clip_high"]
+
+
+def test_custom_preset_leaves_the_keys_alone() -> None:
+    config = TrainConfig.from_dict({"algorithm": {"kl_coef": 0.05, "clip_high": 0.3}})
+    assert (config.algorithm.kl_coef, config.algorithm.clip_high) == (0.05, 0.3)

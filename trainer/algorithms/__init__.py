@@ -1,0 +1,61 @@
+"""RL algorithms as pure functions of tensors: advantages, losses, StarPO-S filtering,
+ScalingInter-RL schedules and the echo-trap watch. See DESIGN.md ("Training")."""
+
+from trainer.algorithms.advantages import (
+    episode_scores,
+    gae_advantages,
+    group_stats,
+    grpo_advantages,
+    last_trainable_index,
+    normalize_group_scores,
+    place_rewards,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
+from trainer.algorithms.curriculum import HorizonSchedule, StageChange
+from trainer.algorithms.echo_trap import EchoTrapConfig, EchoTrapDetector, EchoTrapEvent
+from trainer.algorithms.filtering import FilterResult, group_rewards_from_batch, keep_mask, select_groups
+from trainer.algorithms.losses import (
+    aggregate_loss,
+    entropy_from_logits,
+    gather_logprobs,
+    kl_penalty,
+    logprobs_from_logits,
+    next_token_entropy,
+    ppo_policy_loss,
+    value_loss,
+)
+from trainer.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "EchoTrapConfig",
+    "EchoTrapDetector",
+    "EchoTrapEvent",
+    "FilterResult",
+    "HorizonSchedule",
+    "StageChange",
+    "aggregate_loss",
+    "entropy_from_logits",
+    "episode_scores",
+    "gae_advantages",
+    "gather_logprobs",
+    "group_rewards_from_batch",
+    "group_stats",
+    "grpo_advantages",
+    "keep_mask",
+    "kl_penalty",
+    "last_trainable_index",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "next_token_entropy",
+    "normalize_group_scores",
+    "place_rewards",
+    "ppo_policy_loss",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
+    "select_groups",
+    "value_loss",
+]

@@ -1,0 +1,283 @@
+"""Reward placement and advantage estimators: GAE, GRPO, RLOO, REINFORCE++.
+
+Conventions (shared by every function here and in :mod:`trainer.algorithms.losses`):
+
+* A batch is a padded ``[B, S]`` tensor of whole multi-turn episodes: prompt, observations and
+  assistant replies, one episode per row.
+* ``response_mask`` ``[B, S]`` is 1 on *trainable* tokens (the sampled assistant tokens; the
+  Trajectory's ``loss_mask``) and 0 on prompt, observation, chat-template and padding tokens.
+* ``token_level_rewards`` ``[B, S]`` is built by :func:`place_rewards`.
+* Every estimator is a pure function returning ``(advantages, returns)``, both ``[B, S]`` and 0
+  outside ``response_mask``. None of them needs gradients; call them under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+
+from trainer.algorithms.masked import masked_whiten
+
+NormAdv = Literal["group", "batch", "none"]
+GroupIds = torch.Tensor | Sequence[Hashable]
+
+
+# --------------------------------------------------------------------------------------------
+# Reward placement
+# --------------------------------------------------------------------------------------------
+
+
+def last_trainable_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` long: the index of the last trainable token of each row, -1 for a row with none.
+
+    response_mask: ``[B, S]``, 1 on trainable tokens.
+    """
+    mask = response_mask.bool()
+    seq_len = mask.shape[1]
+    from_end = mask.flip(dims=[1]).int().argmax(dim=1)  # first 1 counted from the right
+    index = seq_len - 1 - from_end
+    return torch.where(mask.any(dim=1), index, torch.full_like(index, -1))
+
+
+def place_rewards(
+    outcome_reward: torch.Tensor,
+    response_mask: torch.Tensor,
+    turn_rewards: Sequence[Sequence[float]] | None = None,
+    turn_end_indices: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Token-level rewards ``[B, S]``: every reward sits on a *trainable* token.
+
+    outcome_reward: ``[B]``, the episode's outcome reward; it lands on the **last trainable token**
+        of the row. The row's last token is usually an observation or chat-template token, which
+        the mask removes; a reward put there (as AgentGym-RL does) is invisible to GAE and
+        REINFORCE++, which only walk trainable tokens, so the policy never learns from it.
+    response_mask: ``[B, S]``, 1 on trainable tokens.
+    turn_rewards: optional, per row a list of per-turn rewards.
+    turn_end_indices: per row, the index of each turn's last token (same nesting as
+        ``turn_rewards``). Each reward lands on the last trainable token at or before that index,
+        i.e. the turn's last sampled token. A turn with no trainable token at or before its end
+        raises ``ValueError``.
+
+    A row without any trainable token gets no reward (it carries no gradient anyway). Rewards on
+    the same token add up.
+    """
+    batch, seq_len = response_mask.shape
+    if outcome_reward.shape != (batch,):
+        raise ValueError(f"outcome_reward must be [{batch}], got {list(outcome_reward.shape)}")
+    rewards = torch.zeros(batch, seq_len, dtype=torch.float32, device=response_mask.device)
+    last = last_trainable_index(response_mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    rewards[rows, last[rows]] += outcome_reward.to(rewards.dtype)[rows]
+
+    if turn_rewards is None:
+        return rewards
+    if turn_end_indices is None or len(turn_end_indices) != batch or len(turn_rewards) != batch:
+        raise ValueError("turn_rewards and turn_end_indices must both have one list per row")
+    mask = response_mask.bool()
+    for row, (row_rewards, row_ends) in enumerate(zip(turn_rewards, turn_end_indices, strict=True)):
+        if len(row_rewards) != len(row_ends):
+            raise ValueError(f"row {row}: {len(row_rewards)} turn rewards for {len(row_ends)} turn ends")
+        for reward, end in zip(row_rewards, row_ends, strict=True):
+            trainable = torch.nonzero(mask[row, : end + 1]).squeeze(1)
+            if trainable.numel() == 0:
+                raise ValueError(f"row {row}: no trainable token at or before index {end}")
+            rewards[row, trainable[-1]] += float(reward)
+    return rewards
+
+
+def episode_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each episode's total reward (sum of its rewards on trainable tokens)."""
+    return (token_level_rewards * response_mask.to(token_level_rewards.dtype)).sum(dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# GAE (PPO with a critic)
+# --------------------------------------------------------------------------------------------
+
+
+def gae_advantages(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the trainable tokens of multi-turn episodes.
+
+    token_level_rewards: ``[B, S]`` from :func:`place_rewards`.
+    values: ``[B, S]`` critic values V(s_t) of the state *before* token t is sampled.
+    response_mask: ``[B, S]``, 1 on trainable tokens.
+    Returns ``(advantages, returns)``, ``[B, S]``, 0 outside the mask; ``returns = advantages +
+    values`` are the critic's targets.
+
+    Only trainable tokens are actions, so the walk skips everything else: the "next state" of the
+    last token of one turn is the state at the first trainable token of the *next* turn, and its
+    value is the value there. The observation tokens in between are the environment's transition,
+    not actions: they have no advantage, no TD error, no discount step, and a value at them would
+    be the critic's estimate of a state the policy never acts in. (Walking every token, as
+    single-turn PPO does, would bootstrap from those unsampled states and discount over tokens the
+    policy does not choose.) After the last trainable token the episode ends: next value 0.
+    For the same reason rewards on masked tokens are ignored; :func:`place_rewards` never puts
+    them there.
+
+        delta_t = r_t + gamma * V(next trainable t') - V(t)
+        A_t     = delta_t + gamma * lam * A_{t'}
+    """
+    mask = response_mask.to(values.dtype)
+    batch, seq_len = values.shape
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(seq_len)):
+        is_action = mask[:, t] > 0
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(is_action, advantage, torch.zeros_like(advantage))
+        # Masked tokens leave the carried (next value, next advantage) untouched: they are skipped.
+        next_value = torch.where(is_action, values[:, t], next_value)
+        next_advantage = torch.where(is_action, advantage, next_advantage)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------------------------
+# Group baselines: GRPO and RLOO
+# --------------------------------------------------------------------------------------------
+
+
+def group_index(group_ids: GroupIds, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """Map ``group_ids`` (``[B]`` tensor, or a sequence of hashable ids) to ``[B]`` long indices
+    ``0..G-1`` in order of first appearance; returns ``(index, G)``."""
+    keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    order: dict[Hashable, int] = {}
+    index = [order.setdefault(key, len(order)) for key in keys]
+    return torch.tensor(index, dtype=torch.long, device=device), len(order)
+
+
+def group_stats(scores: torch.Tensor, group_ids: GroupIds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-episode statistics of its group, each ``[B]``: ``(mean, std, size)``.
+
+    scores: ``[B]`` episode rewards. ``std`` is the unbiased (Bessel) standard deviation, 0 for a
+    group of one.
+    """
+    index, num_groups = group_index(group_ids, scores.device)
+    scores = scores.to(torch.float32)
+    size = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    mean = total / size
+    squared = torch.zeros(num_groups, device=scores.device).index_add_(0, index, (scores - mean[index]) ** 2)
+    std = torch.where(size > 1, (squared / (size - 1).clamp(min=1)).sqrt(), torch.zeros_like(size))
+    return mean[index], std[index], size[index]
+
+
+def normalize_group_scores(
+    scores: torch.Tensor, group_ids: GroupIds, norm_adv: NormAdv = "group", eps: float = 1e-6
+) -> torch.Tensor:
+    """``[B]`` episode advantages: each score minus its group's mean, then scaled.
+
+    scores: ``[B]`` episode rewards; group_ids: ``[B]`` (episodes from the same initial state).
+    norm_adv:
+      * ``"group"`` -- divide by the group's std (+ eps): GRPO as published.
+      * ``"batch"`` -- divide by the std of all ``B`` scores (+ eps). With a rare large payout,
+        per-group scaling inflates every group without a winner (tiny std) and shrinks the groups
+        with one: the policy is pushed toward the safe action. One batch-wide scale keeps the
+        advantages comparable across groups (group mean, batch std, as in "Lite PPO").
+      * ``"none"`` -- mean subtraction only (Dr. GRPO; GRPO with ``norm_by_std=False``).
+    A group of one has advantage 0 (it is its own baseline); so does a group (or, for
+    ``"batch"``, a batch) whose scores are all equal, even with ``eps=0``.
+    """
+    mean, std, _ = group_stats(scores, group_ids)
+    centred = scores.to(torch.float32) - mean
+    if norm_adv == "none":
+        return centred
+    if norm_adv == "group":
+        scale = std + eps
+    elif norm_adv == "batch":
+        batch_std = scores.to(torch.float32).std() if scores.numel() > 1 else centred.new_zeros(())
+        scale = (batch_std + eps).expand_as(centred)
+    else:
+        raise ValueError(f"norm_adv must be 'group', 'batch' or 'none', got {norm_adv!r}")
+    # A zero scale means every centred score is 0 too: the advantage is 0, not 0/0.
+    return torch.where(scale > 0, centred / scale.clamp(min=torch.finfo(centred.dtype).tiny), 0.0)
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    norm_by_std: bool = True,
+    norm_adv: NormAdv | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: outcome advantages relative to the group, broadcast over every trainable token.
+
+    scores: ``[B]`` episode rewards (outcome, or :func:`episode_scores` of the token rewards).
+    response_mask: ``[B, S]``; group_ids: ``[B]``.
+    norm_by_std: ``A = (R - mean_group) / (std_group + eps)`` when true, ``R - mean_group`` when
+        false. ``norm_adv`` (see :func:`normalize_group_scores`), when given, overrides it.
+    Returns ``(advantages, returns)``, ``[B, S]``; both are the same broadcast value (there is
+    no critic, so the "return" is the advantage).
+    """
+    mode: NormAdv = norm_adv if norm_adv is not None else ("group" if norm_by_std else "none")
+    per_episode = normalize_group_scores(scores, group_ids, mode, eps)
+    advantages = per_episode.unsqueeze(1) * response_mask.to(per_episode.dtype)
+    return advantages, advantages
+
+
+def rloo_advantages(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: each episode's baseline is the mean of the *other* episodes of its group.
+
+    scores: ``[B]``; response_mask: ``[B, S]``; group_ids: ``[B]``.
+    ``A_i = R_i - (sum_group - R_i) / (n - 1)``, broadcast over the trainable tokens; 0 for a
+    group of one. Returns ``(advantages, returns)``, ``[B, S]``, equal.
+    """
+    mean, _, size = group_stats(scores, group_ids)
+    scores = scores.to(torch.float32)
+    leave_one_out = (mean * size - scores) / (size - 1).clamp(min=1)
+    per_episode = torch.where(size > 1, scores - leave_one_out, torch.zeros_like(scores))
+    advantages = per_episode.unsqueeze(1) * response_mask.to(per_episode.dtype)
+    return advantages, advantages
+
+
+# --------------------------------------------------------------------------------------------
+# REINFORCE++
+# --------------------------------------------------------------------------------------------
+
+
+def discounted_returns(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """``[B, S]`` reward-to-go over trainable tokens: ``G_t = r_t + gamma * G_{t'}`` with ``t'``
+    the next trainable token (masked tokens are skipped, as in :func:`gae_advantages`); 0 outside
+    the mask."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros(token_level_rewards.shape[0], dtype=returns.dtype, device=returns.device)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        is_action = mask[:, t] > 0
+        candidate = token_level_rewards[:, t] + gamma * running
+        running = torch.where(is_action, candidate, running)
+        returns[:, t] = torch.where(is_action, candidate, torch.zeros_like(candidate))
+    return returns
+
+
+def reinforce_plus_plus_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns, whitened over every trainable token of the batch.
+
+    token_level_rewards: ``[B, S]`` (add a per-token KL penalty here if the run uses one);
+    response_mask: ``[B, S]``. Returns ``(advantages, returns)``, ``[B, S]``, 0 outside the mask;
+    ``advantages = (G - mean) / sqrt(var + eps)`` with the (unbiased) batch statistics of G over
+    masked tokens.
+    """
+    returns = discounted_returns(token_level_rewards, response_mask, gamma)
+    advantages = masked_whiten(returns, response_mask, eps)
+    return advantages, returns

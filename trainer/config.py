@@ -1,0 +1,507 @@
+"""The training run's configuration: pydantic models of ``configs/*.yaml``.
+
+Every section forbids unknown keys, so a misspelt key is an error that names it and its path
+(``algorithm.clip_hgih``) instead of a default silently taking its place. :func:`load_config`
+collects *every* problem of a file into one :class:`ConfigError`, each with its YAML path.
+
+The preset switch
+-----------------
+``preset`` picks the settings that distinguish RAGEN's two variants, so the comparison the paper
+makes is one key away:
+
+=====================================  ==================  ===================
+key                                    ``preset: starpo``  ``preset: starpo_s``
+=====================================  ==================  ===================
+``starpo_s.filter.enabled``            false               true
+``algorithm.kl_coef``                  0.001               0.0
+``algorithm.clip_low``                 0.2                 0.2
+``algorithm.clip_high``                0.2 (symmetric)     0.28 (clip-higher)
+=====================================  ==================  ===================
+
+With ``preset: custom`` (the default) those four keys take their own values (defaults: filter off,
+KL 0, clip 0.2/0.28). With a preset, the preset *owns* them: leaving them out of the file is the
+normal way, and writing one with a value that differs from the preset's is an error naming the
+key, so flipping ``preset`` alone always gives exactly the variant it names. Everything else
+(filter ``ratio``/``mode``, advantage estimator, entropy bonus, ...) stays independent.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from services.rollout_protocol import ActionFormat, SamplingParams
+
+DEFAULT_MODEL_PATH = "models/tiny"
+CHECKPOINTS_ROOT = "checkpoints"
+FAMILY_PORTS = {"game": 8101, "embodied": 8102, "search": 8103, "web": 8104}
+"""Default env server port of each env family (DESIGN.md, "Names and defaults")."""
+
+Preset = Literal["custom", "starpo", "starpo_s"]
+PRESETS: dict[str, dict[tuple[str, ...], Any]] = {
+    "starpo": {
+        ("starpo_s", "filter", "enabled"): False,
+        ("algorithm", "kl_coef"): 0.001,
+        ("algorithm", "clip_low"): 0.2,
+        ("algorithm", "clip_high"): 0.2,
+    },
+    "starpo_s": {
+        ("starpo_s", "filter", "enabled"): True,
+        ("algorithm", "kl_coef"): 0.0,
+        ("algorithm", "clip_low"): 0.2,
+        ("algorithm", "clip_high"): 0.28,
+    },
+}
+"""What each preset sets, by key path; ``custom`` sets nothing."""
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; ``problems`` holds ``(yaml path, message)`` pairs."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = [f"{len(problems)} problem(s) in {source}:"]
+        lines += [f"  {path or '<top level>'}: {message}" for path, message in problems]
+        super().__init__("\n".join(lines))
+
+
+class _KeyedProblems(ValueError):
+    """Raised by cross-field validators so that each problem keeps the path of the key it is about."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors; assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --- run, model, envs -----------------------------------------------------------------------
+
+
+class RunConfig(Section):
+    name: str = Field(
+        default="run",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Run id (jobs carry it as run_id); names the run directory.",
+    )
+    output_dir: str | None = Field(
+        default=None, description="Run directory; None: checkpoints/<name>/ relative to the working dir."
+    )
+    seed: int = Field(default=0, ge=0, description="Seeds python, numpy and torch at the start of the run.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path(CHECKPOINTS_ROOT) / self.name
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        default=DEFAULT_MODEL_PATH,
+        description="A *local* Hugging Face causal-LM directory (no hub is reachable: download first).",
+    )
+    init_tiny_if_missing: bool = Field(
+        default=False,
+        description="Create the tiny default policy at `path` (as `stargym model init`) when it is absent.",
+    )
+
+
+class SeedRange(Section):
+    """Seeds ``start`` (inclusive) to ``stop`` (exclusive); YAML may also write ``[start, stop]``."""
+
+    start: int = Field(ge=0)
+    stop: int = Field(gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def from_pair(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            if len(value) != 2:
+                raise ValueError(f"a seed range is [start, stop], got {len(value)} item(s)")
+            return {"start": value[0], "stop": value[1]}
+        return value
+
+    @model_validator(mode="after")
+    def ordered(self) -> Self:
+        if self.stop <= self.start:
+            raise ValueError(f"stop ({self.stop}) must be greater than start ({self.start})")
+        return self
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __contains__(self, seed: object) -> bool:
+        return isinstance(seed, int) and self.start <= seed < self.stop
+
+    def overlaps(self, other: SeedRange) -> bool:
+        return self.start < other.stop and other.start < self.stop
+
+
+class EnvSpec(Section):
+    id: str = Field(pattern=r"^[a-z0-9_]+/[A-Za-z0-9_.-]+$", description="Env id, e.g. 'game/frozenlake'.")
+    weight: float = Field(default=1.0, gt=0, description="Share of new groups drawn from this env.")
+    options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
+    url: str | None = Field(default=None, description="Env server of this env; None: `envs.servers[family]`.")
+
+    @property
+    def family(self) -> str:
+        return self.id.split("/", 1)[0]
+
+
+class EnvsConfig(Section):
+    mix: list[EnvSpec] = Field(
+        default_factory=lambda: [EnvSpec(id="game/frozenlake")], min_length=1, description="Env mix."
+    )
+    servers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Env server URL by family; a family not listed: http://127.0.0.1:<its default port>.",
+    )
+    train_seeds: SeedRange = Field(default_factory=lambda: SeedRange(start=0, stop=1_000_000))
+    eval_seeds: SeedRange = Field(
+        default_factory=lambda: SeedRange(start=1_000_000, stop=1_000_256),
+        description="Held-out seeds: must not overlap train_seeds.",
+    )
+
+    @model_validator(mode="after")
+    def consistent(self) -> Self:
+        problems: list[tuple[str, str]] = []
+        if self.train_seeds.overlaps(self.eval_seeds):
+            problems.append(("eval_seeds", "held-out eval seeds overlap train_seeds"))
+        seen: set[str] = set()
+        for index, env in enumerate(self.mix):
+            if env.id in seen:
+                problems.append((f"mix[{index}].id", f"{env.id!r} is listed twice"))
+            seen.add(env.id)
+        if problems:
+            raise _KeyedProblems(problems)
+        return self
+
+    def url_for(self, env_id: str) -> str:
+        """The env server that serves ``env_id``: the env's own url, its family's, or the default port."""
+        for env in self.mix:
+            if env.id == env_id and env.url:
+                return env.url
+        family = env_id.split("/", 1)[0]
+        if family in self.servers:
+            return self.servers[family]
+        if family not in FAMILY_PORTS:
+            raise KeyError(f"no env server URL for family {family!r}: set envs.servers.{family}")
+        return f"http://127.0.0.1:{FAMILY_PORTS[family]}"
+
+
+# --- rollout, algorithm, StarPO-S, curriculum -------------------------------------------------
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(default=8, ge=1, description="Jobs per group (same env and seed).")
+    groups_per_batch: int = Field(default=16, ge=1, description="Groups per update batch.")
+    max_inflight: int = Field(default=256, ge=1, description="Most jobs queued or running at once.")
+    max_staleness: int = Field(
+        default=1, ge=0, description="Trajectories older than this many policy versions are dropped."
+    )
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per-turn sampling.")
+    action_format: ActionFormat = Field(default="plain", description="plain | answer_tags")
+    max_model_len: int | None = Field(default=None, gt=0, description="Context limit; None: the engine's.")
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_batch
+
+
+class CriticConfig(Section):
+    enabled: bool = False
+    path: str | None = Field(
+        default=None, description="Separate critic model dir; None: value head on the policy."
+    )
+    lr: float = Field(default=1e-5, gt=0)
+    value_clip: float | None = Field(default=0.5, gt=0, description="None: no value clipping.")
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"
+    norm_adv: Literal["group", "batch", "none"] = Field(
+        default="group", description="Advantage normaliser: per-group std (GRPO), batch std, or none."
+    )
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=1.0, ge=0, le=1)
+    clip_low: float = Field(default=0.2, gt=0, lt=1)
+    clip_high: float = Field(default=0.28, gt=0)
+    dual_clip: float | None = Field(default=3.0, gt=1, description="Dual-clip c; None: off.")
+    entropy_coef: float = Field(default=0.001, ge=0)
+    kl_coef: float = Field(default=0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    ppo_epochs: int = Field(default=1, ge=1)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+
+    @model_validator(mode="after")
+    def critic_for_gae(self) -> Self:
+        if self.advantage == "gae" and not self.critic.enabled:
+            raise _KeyedProblems(
+                [("critic.enabled", "advantage 'gae' needs a critic: set critic.enabled: true")]
+            )
+        return self
+
+
+class FilterConfig(Section):
+    enabled: bool = False
+    ratio: float = Field(default=0.25, gt=0, le=1, description="Share of groups kept (RAGEN: 0.25).")
+    mode: Literal["std", "std_rev"] = Field(
+        default="std", description="std: keep the highest in-group reward std; std_rev: the lowest."
+    )
+
+
+class StarPOSConfig(Section):
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+
+
+class CurriculumConfig(Section):
+    horizon_schedule: list[tuple[int, int]] = Field(
+        default_factory=lambda: [(0, 10)],
+        description="ScalingInter-RL: [[update step, max turns], ...], from step 0, steps increasing.",
+    )
+
+    @field_validator("horizon_schedule")
+    @classmethod
+    def valid_schedule(cls, schedule: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if not schedule:
+            raise ValueError("needs at least one stage, e.g. [[0, 10]]")
+        if schedule[0][0] != 0:
+            raise ValueError(f"the first stage must start at step 0, not {schedule[0][0]}")
+        for (step, _), (next_step, _) in itertools.pairwise(schedule):
+            if next_step <= step:
+                raise ValueError(f"steps must increase: {next_step} follows {step}")
+        bad = [turns for _, turns in schedule if turns < 1]
+        if bad:
+            raise ValueError(f"max turns must be >= 1, got {bad[0]}")
+        return schedule
+
+    def max_turns_at(self, step: int) -> int:
+        """Max turns of jobs issued at update ``step``: the last stage that has started."""
+        turns = self.horizon_schedule[0][1]
+        for start, stage_turns in self.horizon_schedule:
+            if step >= start:
+                turns = stage_turns
+        return turns
+
+    def stage_at(self, step: int) -> int:
+        """Index of the stage in force at ``step`` (for logging stage changes)."""
+        return max(index for index, (start, _) in enumerate(self.horizon_schedule) if step >= start)
+
+
+# --- optimisation, checkpoints, metrics, services ---------------------------------------------
+
+
+class OptimConfig(Section):
+    lr: float = Field(default=1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW; 0 makes it Adam.")
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: int = Field(default=200, ge=1, description="Updates in the run (and the cosine length).")
+    grad_clip: float | None = Field(default=1.0, gt=0, description="Max gradient norm; None: no clipping.")
+    micro_batch_tokens: int = Field(default=8192, ge=1, description="Token budget of one micro-batch.")
+    bf16: Literal["auto", True, False] = Field(default="auto", description="auto: bf16 autocast on GPU only.")
+    gradient_checkpointing: bool = False
+
+    @field_validator("betas")
+    @classmethod
+    def valid_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"betas must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class CheckpointConfig(Section):
+    save_every: int = Field(default=10, ge=1, description="Save a checkpoint every this many updates.")
+    keep_last: int = Field(default=3, ge=1, description="Checkpoints kept; older ones are deleted.")
+    keep_policies: int = Field(default=3, ge=1, description="Published policy-v<N> dirs kept.")
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    project: str = "stargym"
+    mode: Literal["offline", "online"] = "offline"
+
+
+class MetricsConfig(Section):
+    """JSONL (``<run_dir>/metrics.jsonl``) is always written; these add optional sinks."""
+
+    tensorboard: bool = Field(default=False, description="Needs the optional `tensorboard` package.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class DashboardConfig(Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=8300, ge=1, le=65535)
+
+
+class EvalConfig(Section):
+    episodes: int = Field(default=256, ge=0, description="Held-out episodes per evaluation.")
+    every: int = Field(default=50, ge=0, description="Evaluate every this many updates; 0: only at the end.")
+    temperature: float = Field(
+        default=1.0, ge=0, description="Sampling temperature of evaluation; 0: greedy."
+    )
+
+
+# --- the whole run ----------------------------------------------------------------------------
+
+
+class TrainConfig(Section):
+    preset: Preset = Field(default="custom", description="starpo | starpo_s | custom; see the module doc.")
+    hardware: str = Field(default="CPU", description="What the recipe expects, e.g. '8x A100 80GB'.")
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    envs: EnvsConfig = Field(default_factory=EnvsConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    starpo_s: StarPOSConfig = Field(default_factory=StarPOSConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def apply_preset(self) -> Self:
+        """Set what the preset owns; an explicit conflicting value is an error (see module doc)."""
+        if self.preset == "custom":
+            return self
+        problems: list[tuple[str, str]] = []
+        for path, value in PRESETS[self.preset].items():
+            parent = self
+            for key in path[:-1]:
+                parent = getattr(parent, key)
+            explicit = path[-1] in parent.model_fields_set
+            if explicit and getattr(parent, path[-1]) != value:
+                problems.append(
+                    (
+                        ".".join(path),
+                        f"{getattr(parent, path[-1])!r} conflicts with preset {self.preset!r}, which sets "
+                        f"{value!r}: remove the key, or set preset: custom",
+                    )
+                )
+            else:
+                setattr(parent, path[-1], value)
+                parent.model_fields_set.discard(path[-1])  # keeps the preset switchable
+        if problems:
+            raise _KeyedProblems(problems)
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.run_dir
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<config>") -> TrainConfig:
+        """Validate ``data``; every problem is reported in one :class:`ConfigError`."""
+        if not isinstance(data, dict):
+            raise ConfigError(source, [("", f"the config must be a mapping, got {type(data).__name__}")])
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(source, _problems(exc)) from None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Read and validate a YAML config; ``overrides`` maps dotted keys to values (``{"optim.lr": 1e-4}``)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(source, [("", f"cannot read the file: {exc.strerror or exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [("", f"not valid YAML: {exc}")]) from None
+    if data is None:
+        data = {}
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value, source)
+    return TrainConfig.from_dict(data, source)
+
+
+def _set_dotted(data: Any, dotted: str, value: Any, source: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for index, key in enumerate(keys[:-1]):
+        if not isinstance(node, dict):
+            raise ConfigError(source, [(".".join(keys[:index]), "is not a section")])
+        node = node.setdefault(key, {})
+    if not isinstance(node, dict):
+        raise ConfigError(source, [(".".join(keys[:-1]), "is not a section")])
+    node[keys[-1]] = value
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model whose fields live at ``loc`` (to suggest a key for a misspelt one)."""
+    model: Any = TrainConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = (
+            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        )
+        if field is None:
+            return None
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ())
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        elif args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            model = args[0]  # list[EnvSpec]
+        else:
+            return None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, _KeyedProblems):
+            prefix = _format_loc(loc)
+            for path, message in cause.problems:
+                problems.append((f"{prefix}.{path}" if prefix else path, message))
+            continue
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+            model = _model_at(loc[:-1])
+            if model is not None:
+                close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+                if close:
+                    message += f" (did you mean {close[0]!r}?)"
+                else:
+                    message += f"; allowed: {', '.join(model.model_fields)}"
+            problems.append((_format_loc(loc), message))
+            continue
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] not in ("missing",) and "input" in error and not isinstance(error["input"], dict):
+            message += f" (got {error['input']!r})"
+        problems.append((_format_loc(loc), message))
+    return problems
