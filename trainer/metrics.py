@@ -12,7 +12,6 @@ a dependency of stargym.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -265,23 +264,25 @@ def _parse(line: str) -> dict[str, Any] | None:
 
 
 def _open_tensorboard(log_dir: Path) -> Any:
-    if importlib.util.find_spec("tensorboard") is None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
         raise MetricsSinkUnavailable(
             "metrics.tensorboard is true but the 'tensorboard' package is not installed: "
             "`pip install tensorboard`, or set metrics.tensorboard: false (metrics.jsonl is always written)"
-        )
-    from torch.utils.tensorboard import SummaryWriter
+        ) from None
 
     return SummaryWriter(log_dir=str(log_dir))
 
 
 def _open_wandb(run_dir: Path, project: str, mode: str, run_name: str | None, config: Any) -> Any:
-    if importlib.util.find_spec("wandb") is None:
+    try:
+        import wandb
+    except ImportError:
         raise MetricsSinkUnavailable(
             "metrics.wandb.enabled is true but the 'wandb' package is not installed: "
             "`pip install wandb`, or set metrics.wandb.enabled: false (metrics.jsonl is always written)"
-        )
-    import wandb
+        ) from None
 
     return wandb.init(
         project=project,
