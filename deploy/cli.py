@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
+from deploy.eval import eval_command
 from deploy.model_init import model_init_command
 from env_server.serve import serve_command
 from rollout_server.engine.serve import serve_command as engine_serve_command
+from rollout_server.serve import rollout_command
 
 app = typer.Typer(help="stargym: multi-turn RL for LLM agents.", no_args_is_help=True, add_completion=False)
 env_app = typer.Typer(help="Environment servers.", no_args_is_help=True)
@@ -18,6 +20,8 @@ model_app.command("init")(model_init_command)
 engine_app = typer.Typer(help="Inference engines.", no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
 engine_app.command("serve")(engine_serve_command)
+app.command("rollout")(rollout_command)
+app.command("eval")(eval_command)
 
 
 @env_app.command("list")

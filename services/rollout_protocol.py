@@ -112,6 +112,9 @@ class Trajectory(JobFields):
 
     ``policy_version`` is the *oldest* version any turn was sampled under, so that staleness
     checks are conservative when weights changed mid-episode.
+
+    ``text_only`` trajectories (evaluation through an OpenAI-compatible chat endpoint) have no
+    token-level fields at all; the trainer learns only from those whose :attr:`trainable` is true.
     """
 
     turns: list[Turn] = Field(default_factory=list)
@@ -129,6 +132,31 @@ class Trajectory(JobFields):
         default_factory=dict, description="Seconds, e.g. 'total_s', 'generate_s', 'env_s', 'queue_wait_s'."
     )
     worker_id: str = Field(min_length=1)
+    text_only: bool = Field(
+        default=False,
+        description="Played by a text-only engine (an OpenAI-compatible chat endpoint, for evaluation): "
+        "token_ids, loss_mask and logprobs are empty, and each turn's prompt_tokens/response_tokens are "
+        "the token counts the API reported. Never trainable (see `trainable`).",
+    )
+
+    @property
+    def untrainable_reason(self) -> str | None:
+        """Why the trainer must not learn from this trajectory; None when it may.
+
+        A text-only trajectory has no sampled token ids and no behaviour log-probs, so neither
+        the policy gradient nor the PPO ratio can be computed; a failed episode (``error``) has
+        no complete outcome to reward.
+        """
+        if self.text_only:
+            return "text-only trajectory (OpenAI-compatible chat engine): no token ids or behaviour log-probs"
+        if self.error is not None:
+            return f"the episode failed: {self.error}"
+        return None
+
+    @property
+    def trainable(self) -> bool:
+        """What the trainer checks before using a trajectory; see :attr:`untrainable_reason`."""
+        return self.untrainable_reason is None
 
     @classmethod
     def from_job(cls, job: RolloutJob, **results: Any) -> Self:
@@ -147,12 +175,14 @@ class Trajectory(JobFields):
             raise ValueError("loss_mask holds only 0 and 1")
         if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if m == 0):
             raise ValueError("logprobs must be 0.0 where loss_mask is 0")
+        if self.text_only and n:
+            raise ValueError("a text-only trajectory carries no token_ids, loss_mask or logprobs")
         if self.num_turns != len(self.turns):
             raise ValueError(f"num_turns is {self.num_turns} but there are {len(self.turns)} turns")
         if self.num_turns > self.max_turns:
             raise ValueError(f"num_turns {self.num_turns} exceeds max_turns {self.max_turns}")
         sampled = sum(turn.response_tokens for turn in self.turns)
-        if sampled != sum(self.loss_mask):
+        if not self.text_only and sampled != sum(self.loss_mask):
             raise ValueError(f"turns sampled {sampled} tokens but loss_mask covers {sum(self.loss_mask)}")
         if self.turns and self.policy_version != min(turn.policy_version for turn in self.turns):
             raise ValueError("policy_version must be the oldest version any turn was sampled under")

@@ -19,6 +19,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from transformers import PreTrainedModel
 
 from rollout_server.engine.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
     CollectiveRpcRequest,
     CollectiveRpcResponse,
     CompletionChoice,
@@ -86,9 +90,17 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
         raise bad_request(
             "too_many_samples", f"n={body.n} exceeds max_num_seqs={state.settings.max_num_seqs}"
         )
+    sequences = await _generate(state, prompt, params, body.n, body.seed)
+    return _response(body, state, prompt, sequences)
+
+
+async def _generate(
+    state: EngineState, prompt: list[int], params: SamplingParams, n: int, seed: int | None
+) -> list[Sequence]:
+    """Run ``n`` samples of ``prompt`` on the engine thread (seed + i each) and wait for them."""
     sequences = [
-        Sequence(prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + index))
-        for index in range(body.n)
+        Sequence(prompt, dataclasses.replace(params, seed=None if seed is None else seed + index))
+        for index in range(n)
     ]
     try:
         state.engine.submit(sequences)
@@ -99,7 +111,63 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
     except asyncio.CancelledError:
         state.engine.abort(sequences)
         raise
-    return _response(body, state, prompt, sequences)
+    return sequences
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["generation"])
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
+    """OpenAI's chat route: the messages under the model's chat template, sampled like completions.
+
+    Text in, text out (``choices[i].message.content``); what the OpenAI-compatible evaluation
+    engine (``rollout_server.openai_chat``) and any OpenAI client speak. Training never uses it:
+    the worker sends token ids to ``/v1/completions``.
+    """
+    state = _state(request)
+    if body.model is not None and body.model != state.model_name:
+        raise not_found("model", body.model)
+    if body.n > state.settings.max_num_seqs:
+        raise bad_request(
+            "too_many_samples", f"n={body.n} exceeds max_num_seqs={state.settings.max_num_seqs}"
+        )
+    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    try:
+        text = state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # no template, or a template that refuses these roles (jinja raises)
+        raise bad_request(
+            "chat_template", f"the model's chat template cannot render these messages: {exc}"
+        ) from None
+    prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
+    limits = [value for value in (body.max_tokens, body.max_completion_tokens) if value is not None]
+    max_tokens = min(limits) if limits else max(1, state.settings.max_model_len - len(prompt))
+    params = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        max_tokens=max_tokens,
+        seed=body.seed,
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+    _check_length(prompt, params.max_tokens, state.settings.max_model_len)
+    sequences = await _generate(state, prompt, params, body.n, body.seed)
+    choices = [
+        ChatCompletionChoice(
+            index=index,
+            message=ChatResponseMessage(
+                content=state.tokenizer.decode(sequence.output, skip_special_tokens=body.skip_special_tokens)
+            ),
+            finish_reason=sequence.finish_reason.value if sequence.finish_reason else None,
+            stop_reason=sequence.stop_reason,
+        )
+        for index, sequence in enumerate(sequences)
+    ]
+    completion_tokens = sum(len(sequence.output) for sequence in sequences)
+    usage = UsageInfo(
+        prompt_tokens=len(prompt),
+        completion_tokens=completion_tokens,
+        total_tokens=len(prompt) + completion_tokens,
+    )
+    return ChatCompletionResponse(model=state.model_name, choices=choices, usage=usage)
 
 
 def _prompt_ids(body: CompletionRequest, state: EngineState) -> list[int]:

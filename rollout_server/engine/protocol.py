@@ -1,6 +1,6 @@
 """The engine protocol's bodies, with vLLM's field names and shapes, so one client drives both engines.
 
-Requests list the subset of vLLM's ``CompletionRequest`` this engine honours; an unknown field is
+Requests list the subset of vLLM's ``CompletionRequest`` (and OpenAI's chat request) this engine honours; an unknown field is
 a 422 rather than silently ignored (vLLM ignores it), so a client never believes a setting took
 effect when it did not. Responses are vLLM's ``CompletionResponse`` as its server fills it for
 ``logprobs: 0, return_token_ids: true``.
@@ -76,6 +76,78 @@ class CompletionResponse(BaseModel):
     system_fingerprint: None = None
     usage: UsageInfo
     kv_transfer_params: None = None
+
+
+class TextContentPart(BaseModel):
+    """One part of a message whose ``content`` is a list (OpenAI's multi-part form); text only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``: OpenAI's chat request (the fields this engine honours).
+
+    The messages go through the model's chat template with its generation prompt; sampling is
+    the same as for ``/v1/completions``. Without ``max_tokens``/``max_completion_tokens`` the
+    reply may fill the rest of the context, as vLLM does. Unknown fields are a 422, as for
+    completions.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="OpenAI's newer name of max_tokens; the smaller wins when both are set."
+    )
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: Literal[False] | None = False
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
 
 
 class ModelCard(BaseModel):

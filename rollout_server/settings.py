@@ -1,0 +1,177 @@
+"""Settings of the rollout worker, read from environment variables and ``stargym rollout`` flags.
+
+Every field ``foo`` is read from ``STARGYM_ROLLOUT_FOO``, so the worker's settings never clash with
+another service's variables in a shared environment (``STARGYM_CONCURRENCY`` is not ours). The
+fields every service shares (``host``, ``port``, ``api_token``, ``max_body_bytes``,
+``log_level``) also read their common ``STARGYM_*`` name, and Redis comes from ``REDIS_URL`` as
+everywhere else; the ``STARGYM_ROLLOUT_*`` name wins when both are set. Keyword arguments use the
+plain field names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from services.settings import ONE_MIB, ServiceSettings
+
+ENV_PREFIX = "STARGYM_ROLLOUT_"
+
+
+def _shared(name: str) -> AliasChoices:
+    """``STARGYM_ROLLOUT_<NAME>``, else the shared ``STARGYM_<NAME>``."""
+    return AliasChoices(ENV_PREFIX + name.upper(), "STARGYM_" + name.upper())
+
+
+def parse_engine_urls(value: str | list[str]) -> list[str]:
+    """``'http://a:8210,http://b:8210'`` (or a list) → the URLs, without trailing slashes."""
+    items = value.split(",") if isinstance(value, str) else value
+    urls = [item.strip().rstrip("/") for item in items if item and item.strip()]
+    if not urls:
+        raise ValueError("at least one engine URL is needed")
+    return urls
+
+
+def parse_env_urls(value: str | list[str] | dict[str, str]) -> dict[str, str]:
+    """``'game=http://127.0.0.1:8101,search=http://…'`` (or ``['game=…', …]``) → family → URL."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        items = value.split(",") if isinstance(value, str) else value
+        pairs = []
+        for item in (item.strip() for item in items):
+            if not item:
+                continue
+            family, sep, url = item.partition("=")
+            if not sep or not family.strip() or not url.strip():
+                raise ValueError(f"env server {item!r} must be FAMILY=URL, e.g. game=http://127.0.0.1:8101")
+            pairs.append((family, url))
+    urls: dict[str, str] = {}
+    for family, url in pairs:
+        family = family.strip()
+        if "/" in family:
+            raise ValueError(f"{family!r} is an env id; name the family (the part before '/')")
+        if family in urls:
+            raise ValueError(f"env family {family!r} is given twice")
+        urls[family] = url.strip().rstrip("/")
+    if not urls:
+        raise ValueError("at least one env server is needed")
+    return urls
+
+
+class WorkerSettings(ServiceSettings):
+    """The rollout worker: where jobs, engines and env servers are, and how hard to push them."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, populate_by_name=True)
+
+    host: str = Field(default="127.0.0.1", validation_alias=_shared("host"))
+    port: int = Field(default=8200, validation_alias=_shared("port"))
+    api_token: SecretStr | None = Field(
+        default=None,
+        validation_alias=_shared("api_token"),
+        description="When set, every route but /health needs 'Authorization: Bearer <token>'.",
+    )
+    max_body_bytes: int = Field(default=ONE_MIB, gt=0, validation_alias=_shared("max_body_bytes"))
+    log_level: str = Field(default="warning", validation_alias=_shared("log_level"))
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices(ENV_PREFIX + "REDIS_URL", "REDIS_URL"),
+    )
+    engine_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8210"],
+        description="Inference servers speaking the engine protocol; episodes are spread over them.",
+    )
+    env_urls: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=lambda: {"game": "http://127.0.0.1:8101"},
+        description="Env server of each env family: a job for 'game/frozenlake' goes to 'game'.",
+    )
+    tokenizer: str = Field(
+        default="models/tiny",
+        description="Directory of the tokenizer and chat template of the served policy.",
+    )
+    concurrency: int = Field(default=64, gt=0)
+    consumer: str | None = Field(
+        default=None,
+        description="Consumer name in the 'rollout' group; default: host, pid and a random suffix.",
+    )
+    visibility_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A job pending this long without a touch is taken over from its (dead) worker.",
+    )
+    touch_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="How often in-flight jobs are touched; default a third of the visibility timeout.",
+    )
+    reclaim_interval_s: float = Field(default=5.0, gt=0)
+    block_ms: int = Field(
+        default=1000,
+        gt=0,
+        lt=10_000,
+        description="Longest XREADGROUP wait.",
+    )
+    env_retries: int = Field(
+        default=1,
+        ge=0,
+        description="Reruns of an episode after an env error.",
+    )
+    engine_backoff_s: float = Field(default=0.2, gt=0)
+    engine_max_backoff_s: float = Field(default=5.0, gt=0)
+    engine_overload_retries: int = Field(
+        default=100,
+        ge=0,
+        description="Backed-off retries of one generation the engine refused with 429.",
+    )
+    engine_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Reruns of an episode after an engine error (unreachable, 5xx, overloaded too long).",
+    )
+    redis_backoff_s: float = Field(default=0.5, gt=0)
+    redis_max_backoff_s: float = Field(default=10.0, gt=0)
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM, how long in-flight episodes may finish; the rest stay pending for others.",
+    )
+    policy_poll_s: float = Field(default=5.0, gt=0)
+    reload_retry_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Wait before retrying a failed reload.",
+    )
+    initial_policy_version: int = Field(
+        default=0,
+        ge=0,
+        description="Version of an engine whose /weight_info is not a number (weights it started with).",
+    )
+    rate_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Window of episodes/s, tokens/s.",
+    )
+    env_api_token: SecretStr | None = Field(default=None, description="Bearer token of the env servers.")
+    engine_api_token: SecretStr | None = Field(default=None, description="Bearer token of the engines.")
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _engine_urls(cls, value: Any) -> list[str]:
+        return parse_engine_urls(value)
+
+    @field_validator("env_urls", mode="before")
+    @classmethod
+    def _env_urls(cls, value: Any) -> dict[str, str]:
+        return parse_env_urls(value)
+
+    @model_validator(mode="after")
+    def _touch_before_timeout(self) -> WorkerSettings:
+        if self.touch_interval_s is not None and self.touch_interval_s >= self.visibility_timeout_s:
+            raise ValueError("touch_interval_s must be below visibility_timeout_s, or jobs get reclaimed")
+        return self
+
+    @property
+    def touch_every_s(self) -> float:
+        return self.touch_interval_s if self.touch_interval_s is not None else self.visibility_timeout_s / 3

@@ -1,0 +1,712 @@
+"""The rollout worker: turns jobs from ``stargym:jobs`` into trajectories on ``stargym:trajectories``.
+
+One asyncio loop does everything (DESIGN.md, "Delivery", "Weights"):
+
+* **consume**: read jobs in the ``rollout`` group under a consumer name unique to this process,
+  never more than ``concurrency`` episodes at once;
+* **play**: each job is one episode (:func:`rollout_server.episode.run_episode`) against the env
+  server of its family (``game/frozenlake`` → the ``game`` URL) and the least busy engine;
+* **complete**: :func:`services.queue.complete_job` publishes the trajectory and acks the job in
+  one Lua script, deduplicated by ``job_id``: a job is acked only once its trajectory is in the
+  stream, and a job run twice (after a reclaim) is published once;
+* **touch / reclaim**: in-flight jobs are touched every third of the visibility timeout, so long
+  episodes are not taken away; jobs pending longer than the timeout on any consumer (a dead
+  worker's) are reclaimed with ``XAUTOCLAIM`` and run here;
+* **reload**: ``stargym:policy`` is watched; when it names another version, each engine is
+  reloaded in turn (pause → ``reload_weights`` → ``update_weight_version`` → resume) behind a
+  gate that lets the episodes running on it finish and holds new ones back. Every episode runs
+  under one engine version, so every turn is tagged with the version it was sampled under;
+* **failures**: an env error reruns the episode once (``env_retries``), then the trajectory is
+  published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
+  request retried. Redis errors are logged and backed off; the loop never dies of them.
+* **shutdown**: :meth:`RolloutWorker.shutdown` (SIGTERM, through uvicorn's lifespan) stops taking
+  jobs, lets in-flight episodes finish for ``shutdown_grace_s`` and abandons the rest, which stay
+  pending and are reclaimed by another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, Field
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from rollout_server.episode import EpisodeEnvError, run_episode
+from rollout_server.settings import WorkerSettings
+from services.engine_client import EngineBusyError, EngineClient, EngineClientError
+from services.env_client import EnvClient, EnvClientError
+from services.queue import (
+    Delivery,
+    StreamQueue,
+    complete_job,
+    connect,
+    job_queue,
+    trajectory_queue,
+    watch_policy,
+)
+from services.rollout_protocol import DONE_KEY_PREFIX, PolicyPointer, RolloutJob, Trajectory
+
+logger = logging.getLogger(__name__)
+
+EpisodeRunner = Callable[..., Awaitable[Trajectory]]
+"""``run_episode(job, envs, engine, tokenizer, env_spec_instruction, policy_version)``."""
+
+_TRANSIENT = (RedisError, OSError)
+ADMIN_TIMEOUT_S = 10.0
+"""Longest wait for an engine's /v1/models or /weight_info at start-up."""
+
+
+def default_consumer_name() -> str:
+    """Host, pid and a random suffix: unique even for a restarted process with the same pid."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class EngineStatus(BaseModel):
+    url: str
+    policy_version: int | None = Field(description="Version of the weights it serves; None until known.")
+    in_flight: int = Field(description="Episodes running on it.")
+    reloading: bool
+
+
+class WorkerStatus(BaseModel):
+    """What ``GET /status`` answers."""
+
+    worker_id: str
+    concurrency: int
+    in_flight: int = Field(description="Episodes being played now.")
+    episodes_per_s: float = Field(description="Jobs completed per second over the rate window.")
+    tokens_per_s: float = Field(description="Sampled tokens per second over the rate window.")
+    policy_version: int | None = Field(description="Oldest version any engine serves; None until known.")
+    target_policy_version: int | None = Field(description="The version stargym:policy names.")
+    jobs_done: int = Field(description="Trajectories published without an error.")
+    jobs_failed: int = Field(description="Trajectories published with 'error' set.")
+    duplicates: int = Field(description="Jobs whose trajectory another run had already published.")
+    reclaimed: int = Field(description="Jobs taken over from other (dead) consumers.")
+    env_retries: int
+    engine_backoffs: int = Field(description="Engine 429s waited out.")
+    reloads: int
+    redis_errors: int
+    engines: list[EngineStatus]
+    stopping: bool
+    uptime_s: float
+
+
+class ReloadGate:
+    """Many episodes, or one reload, on an engine: never both.
+
+    A pending reload holds new episodes back (so it cannot starve) and waits for the running
+    ones to finish.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._active = 0
+        self._reloading = False
+
+    @property
+    def reloading(self) -> bool:
+        return self._reloading
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @contextlib.asynccontextmanager
+    async def episode(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading)
+            self._active += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading)
+            self._reloading = True
+            try:
+                await self._cond.wait_for(lambda: self._active == 0)
+            except BaseException:
+                self._reloading = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._reloading = False
+                self._cond.notify_all()
+
+
+@dataclass
+class EngineSlot:
+    """One inference server: its client, the version it serves, and its reload gate."""
+
+    url: str
+    client: EngineClient
+    version: int | None = None
+    max_model_len: int | None = None
+    gate: ReloadGate = field(default_factory=ReloadGate)
+
+
+class Backoff:
+    """Exponential backoff with jitter; :meth:`reset` after a success."""
+
+    def __init__(self, base_s: float, max_s: float) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self.attempt = 0
+
+    def next_delay(self) -> float:
+        delay = min(self.max_s, self.base_s * 2**self.attempt)
+        self.attempt += 1
+        return delay * (0.5 + random.random() / 2)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.jobs = Counter("rollout_jobs", "Jobs completed, by outcome", ["outcome"], registry=registry)
+        self.in_flight = Gauge("rollout_episodes_in_flight", "Episodes being played", registry=registry)
+        self.tokens = Counter(
+            "rollout_sampled_tokens", "Tokens sampled in published episodes", registry=registry
+        )
+        self.policy_version = Gauge(
+            "rollout_policy_version", "Oldest policy version served by the engines", registry=registry
+        )
+        self.reloads = Counter(
+            "rollout_reloads", "Engine weight reloads, by outcome", ["outcome"], registry=registry
+        )
+        self.redis_errors = Counter("rollout_redis_errors", "Redis calls that failed", registry=registry)
+        self.env_retries = Counter(
+            "rollout_env_retries", "Episodes rerun after an env error", registry=registry
+        )
+        self.engine_backoffs = Counter("rollout_engine_backoffs", "Engine 429s backed off", registry=registry)
+        self.reclaimed = Counter(
+            "rollout_reclaimed_jobs", "Jobs taken over from other consumers", registry=registry
+        )
+        self.episode_seconds = Histogram(
+            "rollout_episode_seconds",
+            "Wall time of an episode, retries included",
+            registry=registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+
+
+class RolloutWorker:
+    """The queue worker; run it with :meth:`run` and stop it with :meth:`shutdown`."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        tokenizer: Any,
+        *,
+        registry: CollectorRegistry | None = None,
+        run_episode: EpisodeRunner | None = None,
+    ) -> None:
+        """``run_episode`` replaces :func:`rollout_server.episode.run_episode` (same signature)."""
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.consumer = settings.consumer or default_consumer_name()
+        self._run_episode = run_episode
+        self._metrics = _Metrics(registry or CollectorRegistry())
+        self._redis: Redis | None = None
+        self._jobs: StreamQueue[RolloutJob] | None = None
+        self._trajectories: StreamQueue[Trajectory] | None = None
+        self._envs: dict[str, EnvClient] = {}
+        self._instructions: dict[str, str] = {}
+        self._slots: list[EngineSlot] = []
+        self._in_flight: dict[str, asyncio.Task[None]] = {}  # entry id → task
+        self._capacity = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._policy_changed = asyncio.Event()
+        self._target: PolicyPointer | None = None
+        self._background: list[asyncio.Task[None]] = []
+        self._started = time.monotonic()
+        self._completions: deque[tuple[float, int]] = deque()
+        self._counts = dict.fromkeys(
+            (
+                "jobs_done",
+                "jobs_failed",
+                "duplicates",
+                "reclaimed",
+                "env_retries",
+                "engine_backoffs",
+                "reloads",
+                "redis_errors",
+            ),
+            0,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume and play jobs until :meth:`shutdown`; returns once everything is closed."""
+        try:
+            await self._open()
+            if await self._prepare():
+                self._background = [
+                    asyncio.create_task(self._watch_policy(), name="watch-policy"),
+                    asyncio.create_task(self._reloader(), name="reloader"),
+                    asyncio.create_task(self._toucher(), name="toucher"),
+                ]
+                await self._consume_loop()
+            await self._drain()
+        finally:
+            for task in self._background:
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            await self._close()
+
+    async def shutdown(self) -> None:
+        """Make :meth:`run` stop taking jobs, give in-flight episodes ``shutdown_grace_s`` to
+        finish and leave the rest pending (another worker reclaims them); await ``run`` to wait."""
+        self._stopping.set()
+        self._capacity.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def _open(self) -> None:
+        settings = self.settings
+        self._redis = connect(settings.redis_url)
+        self._jobs = job_queue(self._redis)
+        self._trajectories = trajectory_queue(self._redis)
+        env_token = settings.env_api_token.get_secret_value() if settings.env_api_token else None
+        for family, url in settings.env_urls.items():
+            client = EnvClient(url, token=env_token)
+            await client.open()
+            self._envs[family] = client
+        engine_token = settings.engine_api_token.get_secret_value() if settings.engine_api_token else None
+        for url in settings.engine_urls:
+            # One client per server: each has its own version and reload gate.
+            client = EngineClient([url], token=engine_token)
+            await client.open()
+            self._slots.append(EngineSlot(url=url, client=client))
+
+    async def _close(self) -> None:
+        for client in self._envs.values():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        for slot in self._slots:
+            with contextlib.suppress(Exception):
+                await slot.client.aclose()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.aclose()
+
+    async def _prepare(self) -> bool:
+        """Create the groups and learn each engine's version; False if stopped meanwhile."""
+        assert self._jobs is not None and self._trajectories is not None
+        backoff = Backoff(self.settings.redis_backoff_s, self.settings.redis_max_backoff_s)
+        while not self.stopping:
+            try:
+                await self._jobs.ensure_group()
+                await self._trajectories.ensure_group()
+                break
+            except _TRANSIENT as exc:
+                self._redis_error("creating the consumer groups", exc)
+                await self._sleep(backoff.next_delay())
+        for slot in self._slots:
+            backoff = Backoff(self.settings.engine_backoff_s, self.settings.engine_max_backoff_s)
+            while not self.stopping and slot.version is None:
+                try:
+                    slot.max_model_len = await asyncio.wait_for(slot.client.max_model_len(), ADMIN_TIMEOUT_S)
+                    slot.version = await asyncio.wait_for(self._engine_version(slot), ADMIN_TIMEOUT_S)
+                except Exception as exc:
+                    logger.warning("engine %s: not ready yet: %s: %s", slot.url, type(exc).__name__, exc)
+                    await self._sleep(backoff.next_delay())
+        self._update_version_gauge()
+        return not self.stopping
+
+    async def _engine_version(self, slot: EngineSlot) -> int:
+        info = await slot.client.weight_info()
+        raw = next(iter(info.values()), None)
+        try:
+            return int(str(raw))
+        except (TypeError, ValueError):
+            return self.settings.initial_policy_version
+
+    async def _drain(self) -> None:
+        tasks = list(self._in_flight.values())
+        if tasks:
+            logger.info(
+                "shutting down: %d episodes in flight, %.0f s to finish",
+                len(tasks),
+                self.settings.shutdown_grace_s,
+            )
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                logger.info("left %d jobs pending for other workers to reclaim", len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, cut short by shutdown."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    # -- consuming ----------------------------------------------------------------------------
+
+    async def _consume_loop(self) -> None:
+        assert self._jobs is not None
+        settings = self.settings
+        backoff = Backoff(settings.redis_backoff_s, settings.redis_max_backoff_s)
+        next_reclaim = 0.0
+        min_idle_ms = int(settings.visibility_timeout_s * 1000)
+        while not self.stopping:
+            free = settings.concurrency - len(self._in_flight)
+            if free <= 0:
+                self._capacity.clear()
+                await self._capacity.wait()
+                continue
+            try:
+                deliveries: list[tuple[Delivery[RolloutJob], bool]] = []
+                if time.monotonic() >= next_reclaim:
+                    next_reclaim = time.monotonic() + settings.reclaim_interval_s
+                    reclaimed = await self._jobs.reclaim(self.consumer, min_idle_ms, count=free)
+                    deliveries += [(d, True) for d in reclaimed if d.entry_id not in self._in_flight]
+                if len(deliveries) < free:
+                    fresh = await self._jobs.consume(
+                        self.consumer, count=free - len(deliveries), block_ms=settings.block_ms
+                    )
+                    deliveries += [(d, False) for d in fresh]
+                backoff.reset()
+            except _TRANSIENT as exc:
+                self._redis_error("reading jobs", exc)
+                await self._sleep(backoff.next_delay())
+                continue
+            except Exception:
+                logger.exception("unexpected error reading jobs; retrying")
+                await self._sleep(backoff.next_delay())
+                continue
+            for delivery, reclaimed in deliveries:
+                if reclaimed:
+                    self._count("reclaimed")
+                    self._metrics.reclaimed.inc()
+                    logger.info("reclaimed job %s (entry %s)", delivery.model.job_id, delivery.entry_id)
+                task = asyncio.create_task(
+                    self._run_job(delivery, reclaimed), name=f"job-{delivery.model.job_id}"
+                )
+                self._in_flight[delivery.entry_id] = task
+                task.add_done_callback(lambda t, entry_id=delivery.entry_id: self._job_finished(entry_id, t))
+            self._metrics.in_flight.set(len(self._in_flight))
+
+    def _job_finished(self, entry_id: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "job task %s failed; the job stays pending", task.get_name(), exc_info=task.exception()
+            )
+        self._in_flight.pop(entry_id, None)
+        self._metrics.in_flight.set(len(self._in_flight))
+        self._capacity.set()
+
+    async def _run_job(self, delivery: Delivery[RolloutJob], reclaimed: bool) -> None:
+        job = delivery.model
+        started = time.monotonic()
+        if reclaimed and await self._already_done(job):
+            logger.info("job %s already has its trajectory; acking", job.job_id)
+            await self._ack_only(delivery)
+            return
+        try:
+            trajectory = await self._play(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the runner must not drop the job
+            logger.exception("job %s: episode failed unexpectedly", job.job_id)
+            trajectory = self._failed(job, f"worker error: {type(exc).__name__}: {exc}")
+        elapsed = time.monotonic() - started
+        timings = {
+            **trajectory.timings,
+            "worker_s": elapsed,
+            "queue_wait_s": max(0.0, time.time() - elapsed - job.created_at),
+        }
+        trajectory = trajectory.model_copy(update={"worker_id": self.consumer, "timings": timings})
+        await self._complete(delivery, trajectory)
+        self._metrics.episode_seconds.observe(elapsed)
+
+    async def _already_done(self, job: RolloutJob) -> bool:
+        assert self._redis is not None
+        try:
+            return bool(await self._redis.exists(DONE_KEY_PREFIX + job.job_id))
+        except _TRANSIENT as exc:
+            self._redis_error("checking a reclaimed job", exc)
+            return False
+
+    async def _ack_only(self, delivery: Delivery[RolloutJob]) -> None:
+        assert self._jobs is not None
+        try:
+            await self._jobs.ack([delivery.entry_id])
+            self._count("duplicates")
+            self._metrics.jobs.labels("duplicate").inc()
+        except _TRANSIENT as exc:
+            self._redis_error("acking a finished job", exc)
+
+    async def _complete(self, delivery: Delivery[RolloutJob], trajectory: Trajectory) -> None:
+        """Publish and ack, retrying Redis errors until it is done (or shutdown cancels us)."""
+        assert self._jobs is not None and self._trajectories is not None
+        backoff = Backoff(self.settings.redis_backoff_s, self.settings.redis_max_backoff_s)
+        while True:
+            try:
+                completion = await complete_job(self._jobs, delivery, self._trajectories, trajectory)
+                break
+            except _TRANSIENT as exc:
+                self._redis_error(f"publishing the trajectory of job {trajectory.job_id}", exc)
+                await asyncio.sleep(backoff.next_delay())
+        if not completion.published:
+            logger.info("job %s: trajectory already published by another run", trajectory.job_id)
+            self._count("duplicates")
+            self._metrics.jobs.labels("duplicate").inc()
+            return
+        sampled = sum(trajectory.loss_mask)
+        self._completions.append((time.monotonic(), sampled))
+        self._metrics.tokens.inc(sampled)
+        if trajectory.error is None:
+            self._count("jobs_done")
+            self._metrics.jobs.labels("done").inc()
+        else:
+            logger.warning("job %s published with error: %s", trajectory.job_id, trajectory.error)
+            self._count("jobs_failed")
+            self._metrics.jobs.labels("failed").inc()
+
+    # -- playing ------------------------------------------------------------------------------
+
+    async def _play(self, job: RolloutJob) -> Trajectory:
+        """The episode's trajectory; failures that outlast their retries come back as ``error``."""
+        family = job.env.split("/", 1)[0]
+        envs = self._envs.get(family)
+        if envs is None:
+            known = ", ".join(sorted(self._envs)) or "none"
+            return self._failed(job, f"no env server for family {family!r} (this worker has: {known})")
+        settings = self.settings
+        env_failures = engine_failures = 0
+        backoff = Backoff(settings.engine_backoff_s, settings.engine_max_backoff_s)
+        while True:
+            try:
+                instruction = await self._instruction(envs, job.env)
+                if instruction is None:
+                    return self._failed(job, f"env {job.env!r} is not served by {envs.base_url}")
+                return await self._episode(job, envs, instruction)
+            except (EpisodeEnvError, EnvClientError) as exc:
+                env_failures += 1
+                if env_failures > settings.env_retries:
+                    return self._failed(job, f"env error: {exc} (after {env_failures} attempts)")
+                self._count("env_retries")
+                self._metrics.env_retries.inc()
+                logger.warning("job %s: env error, rerunning the episode: %s", job.job_id, exc)
+            except EngineClientError as exc:
+                engine_failures += 1
+                if engine_failures > settings.engine_retries:
+                    return self._failed(job, f"engine error: {exc} (after {engine_failures} attempts)")
+                logger.warning("job %s: engine error, rerunning the episode: %s", job.job_id, exc)
+                await asyncio.sleep(backoff.next_delay())
+
+    async def _episode(self, job: RolloutJob, envs: EnvClient, instruction: str) -> Trajectory:
+        slot = self._pick_engine()
+        async with slot.gate.episode():
+            assert slot.version is not None
+            runner = self._run_episode or run_episode
+            return await runner(
+                job,
+                envs,
+                OverloadRetry(slot.client, self),
+                self.tokenizer,
+                instruction,
+                slot.version,
+                max_model_len=slot.max_model_len,
+                worker_id=self.consumer,
+            )
+
+    def _pick_engine(self) -> EngineSlot:
+        """The least busy engine that is not being reloaded (any, if all are)."""
+        ready = [slot for slot in self._slots if not slot.gate.reloading] or self._slots
+        least = min(slot.gate.active for slot in ready)
+        return random.choice([slot for slot in ready if slot.gate.active == least])
+
+    async def _instruction(self, envs: EnvClient, env_id: str) -> str | None:
+        if env_id not in self._instructions:
+            for spec in await envs.list_envs():
+                self._instructions[spec.id] = spec.instruction
+        return self._instructions.get(env_id)
+
+    def _failed(self, job: RolloutJob, error: str) -> Trajectory:
+        versions = [slot.version for slot in self._slots if slot.version is not None]
+        version = min(versions) if versions else job.policy_version
+        return Trajectory.from_job(job, error=error, worker_id=self.consumer, policy_version=version)
+
+    # -- keeping jobs ours --------------------------------------------------------------------
+
+    async def _toucher(self) -> None:
+        assert self._jobs is not None
+        while True:
+            await asyncio.sleep(self.settings.touch_every_s)
+            ids = list(self._in_flight)
+            if not ids:
+                continue
+            try:
+                still = set(await self._jobs.touch(self.consumer, ids))
+            except _TRANSIENT as exc:
+                self._redis_error("touching in-flight jobs", exc)
+                continue
+            except Exception:
+                logger.exception("unexpected error touching in-flight jobs")
+                continue
+            gone = [entry_id for entry_id in ids if entry_id not in still and entry_id in self._in_flight]
+            if gone:
+                logger.info("%d in-flight jobs are no longer pending (finished elsewhere)", len(gone))
+
+    # -- policy reloads -----------------------------------------------------------------------
+
+    async def _watch_policy(self) -> None:
+        assert self._redis is not None
+        backoff = Backoff(self.settings.redis_backoff_s, self.settings.redis_max_backoff_s)
+        while True:
+            try:
+                async for pointer in watch_policy(self._redis, poll_s=self.settings.policy_poll_s):
+                    backoff.reset()
+                    logger.info("policy v%d at %s", pointer.version, pointer.path)
+                    self._target = pointer
+                    self._policy_changed.set()
+            except _TRANSIENT as exc:
+                self._redis_error("watching the policy", exc)
+                await asyncio.sleep(backoff.next_delay())
+            except Exception:  # e.g. a malformed stargym:policy hash: keep watching
+                logger.exception("unexpected error watching the policy")
+                await asyncio.sleep(backoff.next_delay())
+
+    async def _reloader(self) -> None:
+        while True:
+            await self._policy_changed.wait()
+            self._policy_changed.clear()
+            target = self._target
+            if target is None:
+                continue
+            failed = False
+            for slot in self._slots:
+                if slot.version != target.version and not await self._reload(slot, target):
+                    failed = True
+            if failed and not self._policy_changed.is_set():
+                await self._sleep(self.settings.reload_retry_s)
+                self._policy_changed.set()
+
+    async def _reload(self, slot: EngineSlot, pointer: PolicyPointer) -> bool:
+        """Load ``pointer`` into one engine once no episode runs on it; False if that failed."""
+        client = slot.client
+        async with slot.gate.exclusive():
+            started = time.monotonic()
+            try:
+                # pause(wait) → reload_weights → update_weight_version → resume, resumed on failure.
+                await client.load_policy(pointer.path, pointer.version)
+            except Exception as exc:
+                logger.error("engine %s: reload to v%d failed: %s", slot.url, pointer.version, exc)
+                self._metrics.reloads.labels("failed").inc()
+                return False
+            logger.info(
+                "engine %s: v%s → v%d in %.2f s",
+                slot.url,
+                slot.version,
+                pointer.version,
+                time.monotonic() - started,
+            )
+            slot.version = pointer.version
+        self._count("reloads")
+        self._metrics.reloads.labels("done").inc()
+        self._update_version_gauge()
+        return True
+
+    def _update_version_gauge(self) -> None:
+        versions = [slot.version for slot in self._slots if slot.version is not None]
+        if versions:
+            self._metrics.policy_version.set(min(versions))
+
+    # -- status -------------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] += n
+
+    def _redis_error(self, what: str, exc: BaseException) -> None:
+        self._count("redis_errors")
+        self._metrics.redis_errors.inc()
+        logger.warning("Redis error %s: %s: %s", what, type(exc).__name__, exc)
+
+    def status(self) -> WorkerStatus:
+        now = time.monotonic()
+        window = self.settings.rate_window_s
+        while self._completions and self._completions[0][0] < now - window:
+            self._completions.popleft()
+        span = max(min(window, now - self._started), 1e-3)
+        versions = [slot.version for slot in self._slots if slot.version is not None]
+        return WorkerStatus(
+            worker_id=self.consumer,
+            concurrency=self.settings.concurrency,
+            in_flight=len(self._in_flight),
+            episodes_per_s=len(self._completions) / span,
+            tokens_per_s=sum(tokens for _, tokens in self._completions) / span,
+            policy_version=min(versions) if versions else None,
+            target_policy_version=self._target.version if self._target else None,
+            engines=[
+                EngineStatus(
+                    url=slot.url,
+                    policy_version=slot.version,
+                    in_flight=slot.gate.active,
+                    reloading=slot.gate.reloading,
+                )
+                for slot in self._slots
+            ],
+            stopping=self.stopping,
+            uptime_s=now - self._started,
+            **self._counts,
+        )
+
+
+class OverloadRetry:
+    """The engine client as the episode sees it, with 429s backed off and retried.
+
+    Only the generation call is wrapped; everything else passes through untouched.
+    """
+
+    def __init__(self, client: Any, worker: RolloutWorker) -> None:
+        self._client = client
+        self._worker = worker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def complete(self, *args: Any, **kwargs: Any) -> Any:
+        worker = self._worker
+        settings = worker.settings
+        backoff = Backoff(settings.engine_backoff_s, settings.engine_max_backoff_s)
+        while True:
+            try:
+                return await self._client.complete(*args, **kwargs)
+            except EngineBusyError as exc:
+                if backoff.attempt >= settings.engine_overload_retries:
+                    raise
+                delay = backoff.next_delay()
+                if exc.retry_after is not None:
+                    delay = max(delay, min(exc.retry_after, settings.engine_max_backoff_s))
+                worker._count("engine_backoffs")
+                worker._metrics.engine_backoffs.inc()
+                logger.debug("engine busy (429); retrying in %.2f s", delay)
+                await asyncio.sleep(delay)

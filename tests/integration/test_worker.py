@@ -1,0 +1,425 @@
+"""The rollout worker as a real process: Redis jobs in, trajectories out, against a real game env
+server and a real CPU engine serving the tiny policy.
+
+Every worker here is ``stargym rollout`` in a subprocess; waits poll Redis or /status with a
+deadline. The visibility timeout is a few seconds so that a killed worker's jobs come back fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from conftest import RunningServer, free_port, start_server, stop_server
+
+from deploy.model_init import init_tiny_model
+from rollout_server.settings import WorkerSettings, parse_env_urls
+from rollout_server.worker import ReloadGate
+from services.queue import connect, set_policy
+from services.redis_local import start_redis_server
+from services.rollout_protocol import (
+    DATA_FIELD,
+    JOBS_STREAM,
+    ROLLOUT_GROUP,
+    TRAJECTORIES_STREAM,
+    RolloutJob,
+    SamplingParams,
+    Trajectory,
+)
+
+VISIBILITY_TIMEOUT_S = 3.0
+DEADLINE_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny policy and a second checkpoint of it (other seed, same tokenizer)."""
+    root = tmp_path_factory.mktemp("worker-models")
+    first = init_tiny_model(root / "policy-v0", 0, ["game"], 20, 20)
+    second = init_tiny_model(root / "policy-v1", 1, ["game"], 20, 20)
+    return first, second
+
+
+def serve_engine(model: Path, tmp_path: Path, *extra: str) -> RunningServer:
+    port = free_port()
+    args = ["engine", "serve", "--model", str(model), "--port", str(port), "--threads", "1", *extra]
+    return start_server(args, port, tmp_path, name="engine")
+
+
+@pytest.fixture(scope="module")
+def engine(
+    checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """Two sequences at most, so that eight concurrent episodes meet 429s and must back off."""
+    server = serve_engine(checkpoints[0], tmp_path_factory.mktemp("engine"), "--max-num-seqs", "2")
+    yield server
+    stop_server(server.process)
+
+
+@pytest.fixture
+def db(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
+    """Starts ``stargym rollout`` processes; all are stopped at the end of the test."""
+    started: list[RunningServer] = []
+
+    def start(
+        engine_url: str, envs: dict[str, str], tokenizer: Path, *extra: str, **env: str
+    ) -> RunningServer:
+        port = free_port()
+        args = ["rollout", "--engine-url", engine_url, "--tokenizer", str(tokenizer), "--port", str(port)]
+        for family, url in envs.items():
+            args += ["--env", f"{family}={url}"]
+        variables = {
+            "REDIS_URL": redis_url,
+            "STARGYM_LOG_LEVEL": "info",
+            "STARGYM_ROLLOUT_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S),
+            "STARGYM_ROLLOUT_RECLAIM_INTERVAL_S": "0.5",
+            "STARGYM_ROLLOUT_POLICY_POLL_S": "1",
+            **env,
+        }
+        server = start_server([*args, *extra], port, tmp_path, env=variables, name=f"worker{len(started)}")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        stop_server(server.process)
+
+
+def make_jobs(
+    count: int, env: str = "game/frozenlake", max_turns: int = 6, start: int = 0
+) -> list[RolloutJob]:
+    return [
+        RolloutJob(
+            run_id="test-worker",
+            env=env,
+            seed=index,
+            group_id=f"g{index // 2}",
+            max_turns=max_turns,
+            sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=index),
+            policy_version=0,
+        )
+        for index in range(start, start + count)
+    ]
+
+
+def publish(db: redis.Redis, jobs: list[RolloutJob]) -> None:
+    for job in jobs:
+        db.xadd(JOBS_STREAM, {DATA_FIELD: job.model_dump_json()})
+
+
+def trajectories(db: redis.Redis) -> list[Trajectory]:
+    return [Trajectory.model_validate_json(fields[b"data"]) for _, fields in db.xrange(TRAJECTORIES_STREAM)]
+
+
+def wait_for(condition: Callable[[], object], what: str, deadline_s: float = DEADLINE_S, logs=()) -> object:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    details = "\n".join(f"--- {server.log_path.name}\n{server.log()[-4000:]}" for server in logs)
+    raise AssertionError(f"timed out waiting for {what}\n{details}")
+
+
+def wait_trajectories(db: redis.Redis, count: int, logs=()) -> list[Trajectory]:
+    wait_for(lambda: db.xlen(TRAJECTORIES_STREAM) >= count, f"{count} trajectories", logs=logs)
+    return trajectories(db)
+
+
+def status(worker: RunningServer) -> dict:
+    response = httpx.get(f"{worker.url}/status", timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def pending_jobs(db: redis.Redis) -> int:
+    return int(db.xpending(JOBS_STREAM, ROLLOUT_GROUP)["pending"])
+
+
+def test_every_job_yields_one_trajectory_and_is_acked(
+    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+) -> None:
+    jobs = make_jobs(12)
+    worker = workers(engine.url, {"game": game_server.url}, checkpoints[0], "--concurrency", "8")
+    publish(db, jobs)
+    found = wait_trajectories(db, len(jobs), logs=[worker])
+    assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)
+    by_id = {job.job_id: job for job in jobs}
+    for trajectory in found:
+        job = by_id[trajectory.job_id]
+        assert trajectory.error is None, trajectory.error
+        assert (trajectory.env, trajectory.seed, trajectory.group_id) == (job.env, job.seed, job.group_id)
+        assert 1 <= trajectory.num_turns <= job.max_turns
+        assert trajectory.policy_version == 0
+        assert all(turn.policy_version == 0 for turn in trajectory.turns)
+        assert sum(trajectory.loss_mask) == sum(turn.response_tokens for turn in trajectory.turns) > 0
+        assert trajectory.worker_id and trajectory.timings["queue_wait_s"] >= 0
+    wait_for(lambda: pending_jobs(db) == 0, "the jobs to be acked")
+    assert db.xlen(JOBS_STREAM) == 0  # acked jobs are deleted
+
+    report = wait_for(lambda: (s := status(worker))["jobs_done"] == len(jobs) and s, "/status counts")
+    assert report["jobs_failed"] == 0 and report["in_flight"] == 0
+    assert report["episodes_per_s"] > 0 and report["tokens_per_s"] > 0
+    assert report["policy_version"] == 0
+    # Eight concurrent episodes on an engine that holds two sequences: 429s, backed off, no errors.
+    assert report["engine_backoffs"] > 0
+    metrics = httpx.get(f"{worker.url}/metrics").text
+    assert 'rollout_jobs_total{outcome="done"} 12.0' in metrics
+
+
+def test_failed_episodes_are_published_with_an_error(
+    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+) -> None:
+    dead_port = free_port()  # nothing listens there: every env call fails to connect
+    worker = workers(
+        engine.url, {"game": game_server.url, "web": f"http://127.0.0.1:{dead_port}"}, checkpoints[0]
+    )
+    unknown_family = make_jobs(1, env="nosuch/env")[0]
+    unknown_env = make_jobs(1, env="game/nosuch", start=1)[0]
+    env_down = make_jobs(1, env="web/shop", start=2)[0]
+    fine = make_jobs(1, start=3)[0]
+    publish(db, [unknown_family, unknown_env, env_down, fine])
+    found = {t.job_id: t for t in wait_trajectories(db, 4, logs=[worker])}
+    assert len(found) == 4
+    assert "no env server for family 'nosuch'" in found[unknown_family.job_id].error
+    assert "game/nosuch" in found[unknown_env.job_id].error
+    assert (
+        found[env_down.job_id].error.startswith("env error") and "2 attempts" in found[env_down.job_id].error
+    )
+    assert found[fine.job_id].error is None
+    for job in (unknown_family, unknown_env, env_down):
+        assert found[job.job_id].turns == [] and found[job.job_id].token_ids == []
+    wait_for(lambda: pending_jobs(db) == 0, "the jobs to be acked")
+    report = wait_for(lambda: (s := status(worker))["jobs_done"] + s["jobs_failed"] == 4 and s, "/status")
+    assert (report["jobs_done"], report["jobs_failed"]) == (1, 3)
+    assert report["env_retries"] == 1  # the unreachable env server, rerun once
+
+
+def test_a_killed_worker_loses_no_job_and_duplicates_none(
+    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+) -> None:
+    jobs = make_jobs(16, max_turns=10)
+    envs = {"game": game_server.url}
+    doomed = workers(engine.url, envs, checkpoints[0], "--concurrency", "4", "--consumer", "doomed")
+    survivor = workers(engine.url, envs, checkpoints[0], "--concurrency", "4", "--consumer", "survivor")
+    publish(db, jobs)
+    wait_for(lambda: status(doomed)["in_flight"] > 0, "the first worker to be mid-episode")
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    orphans = db.xpending_range(JOBS_STREAM, ROLLOUT_GROUP, "-", "+", 100, consumername="doomed")
+
+    found = wait_trajectories(db, len(jobs), logs=[survivor])
+    wait_for(lambda: pending_jobs(db) == 0, "every job to be acked", logs=[survivor])
+    counts = Counter(t.job_id for t in trajectories(db))
+    assert set(counts) == {job.job_id for job in jobs}
+    assert set(counts.values()) == {1}, counts
+    assert len(found) == len(jobs)
+    if orphans:  # the killed worker held jobs: the survivor took them over
+        assert status(survivor)["reclaimed"] >= len(orphans)
+
+
+def test_sigterm_stops_taking_jobs_and_loses_none(
+    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+) -> None:
+    jobs = make_jobs(12, max_turns=10)
+    envs = {"game": game_server.url}
+    first = workers(engine.url, envs, checkpoints[0], "--concurrency", "4", "--shutdown-grace-s", "1")
+    publish(db, jobs)
+    wait_for(lambda: status(first)["in_flight"] > 0, "the worker to be mid-episode")
+    first.process.send_signal(signal.SIGTERM)
+    # A clean exit: uvicorn re-raises the signal once the lifespan shutdown has completed.
+    assert first.process.wait(timeout=30) in (0, -signal.SIGTERM), first.log()
+    assert "Application shutdown complete" in first.log()
+    done_before = db.xlen(TRAJECTORIES_STREAM)
+    assert done_before < len(jobs)
+    # What it did not finish is still pending (or undelivered): a second worker completes it.
+    second = workers(engine.url, envs, checkpoints[0], "--concurrency", "4")
+    wait_trajectories(db, len(jobs), logs=[second])
+    wait_for(lambda: pending_jobs(db) == 0, "every job to be acked", logs=[second])
+    counts = Counter(t.job_id for t in trajectories(db))
+    assert set(counts) == {job.job_id for job in jobs} and set(counts.values()) == {1}
+
+
+def test_policy_update_reloads_the_engines_and_tags_later_trajectories(
+    db: redis.Redis,
+    workers,
+    game_server: RunningServer,
+    checkpoints: tuple[Path, Path],
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """Two engines of its own (their weights change); the update lands while episodes run."""
+    engines = [serve_engine(checkpoints[0], tmp_path) for _ in range(2)]
+    urls = [server.url for server in engines]
+    try:
+        for url in urls:
+            assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "default"}
+        envs = {"game": game_server.url}
+        worker = workers(",".join(urls), envs, checkpoints[0], "--concurrency", "4")
+        report = wait_for(lambda: (s := status(worker))["policy_version"] == 0 and s, "the engines' versions")
+        assert [engine["url"] for engine in report["engines"]] == urls
+        during = make_jobs(8, max_turns=10)
+        publish(db, during)
+        wait_for(lambda: status(worker)["in_flight"] > 0, "episodes in flight", logs=[worker])
+
+        async def publish_policy() -> None:
+            client = connect(redis_url)
+            try:
+                await set_policy(client, 1, str(checkpoints[1]))
+            finally:
+                await client.aclose()
+
+        asyncio.run(publish_policy())
+        for url in urls:
+            wait_for(
+                lambda url=url: httpx.get(f"{url}/weight_info").json() == {"weight_version": "1"},
+                f"{url} to serve v1",
+                logs=[worker],
+            )
+        wait_for(lambda: status(worker)["policy_version"] == 1, "the worker to report v1", logs=[worker])
+        after = make_jobs(4, start=8)
+        publish(db, after)
+        found = {t.job_id: t for t in wait_trajectories(db, 12, logs=[worker])}
+        assert len(found) == 12
+        for trajectory in found.values():
+            # No episode straddles a reload: every turn was sampled under the episode's version.
+            assert trajectory.error is None, trajectory.error
+            assert {turn.policy_version for turn in trajectory.turns} == {trajectory.policy_version}
+        assert {found[job.job_id].policy_version for job in after} == {1}
+        report = status(worker)
+        assert report["reloads"] == 2 and report["target_policy_version"] == 1
+        assert [engine["policy_version"] for engine in report["engines"]] == [1, 1]
+
+        # A worker that starts later finds the engines already on v1 and reloads nothing.
+        late = workers(urls[0], envs, checkpoints[0])
+        report = wait_for(lambda: (s := status(late))["target_policy_version"] == 1 and s, "the late worker")
+        assert report["policy_version"] == 1 and report["reloads"] == 0
+    finally:
+        for server in engines:
+            stop_server(server.process)
+
+
+def test_redis_going_away_is_waited_out(
+    workers, engine: RunningServer, game_server: RunningServer, checkpoints, tmp_path: Path
+) -> None:
+    """A private Redis, stopped and restarted empty on its port: the worker logs, backs off, resumes."""
+    server = start_redis_server()
+    try:
+        db = redis.Redis.from_url(server.url)
+        worker = workers(engine.url, {"game": game_server.url}, checkpoints[0], REDIS_URL=server.url)
+        publish(db, make_jobs(2))
+        wait_trajectories(db, 2, logs=[worker])
+        server.stop()
+        wait_for(lambda: status(worker)["redis_errors"] >= 2, "the worker to see Redis down", logs=[worker])
+        assert worker.process.poll() is None
+        server = start_redis_server(server.port)  # nothing persisted: no stream, no group
+        db = redis.Redis.from_url(server.url)
+        later = make_jobs(2, start=2)
+        publish(db, later)
+        found = wait_trajectories(db, 2, logs=[worker])
+        assert sorted(t.job_id for t in found) == sorted(job.job_id for job in later)
+        assert all(t.error is None for t in found)
+        wait_for(lambda: pending_jobs(db) == 0, "the jobs to be acked", logs=[worker])
+        db.close()
+    finally:
+        server.stop()
+
+
+async def test_reload_gate_waits_for_running_episodes_and_holds_new_ones() -> None:
+    gate = ReloadGate()
+    events: list[str] = []
+    first_running = asyncio.Event()
+    release_first = asyncio.Event()
+
+    async def episode(name: str, started: asyncio.Event | None = None, release: asyncio.Event | None = None):
+        async with gate.episode():
+            events.append(f"{name} start")
+            if started:
+                started.set()
+            if release:
+                await release.wait()
+            events.append(f"{name} end")
+
+    async def reload() -> None:
+        async with gate.exclusive():
+            events.append("reload")
+
+    first = asyncio.create_task(episode("a", first_running, release_first))
+    await first_running.wait()
+    reloading = asyncio.create_task(reload())
+    await asyncio.sleep(0.01)
+    assert gate.reloading and events == ["a start"]  # the reload waits for episode a
+    second = asyncio.create_task(episode("b"))
+    await asyncio.sleep(0.01)
+    assert events == ["a start"]  # and episode b waits for the reload
+    release_first.set()
+    await asyncio.gather(first, reloading, second)
+    assert events == ["a start", "a end", "reload", "b start", "b end"]
+    assert not gate.reloading and gate.active == 0
+
+
+async def test_a_cancelled_reload_releases_the_gate() -> None:
+    gate = ReloadGate()
+    hold = asyncio.Event()
+
+    async def episode() -> None:
+        async with gate.episode():
+            await hold.wait()
+
+    running = asyncio.create_task(episode())
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(gate.exclusive().__aenter__())
+    await asyncio.sleep(0.01)
+    assert gate.reloading
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert not gate.reloading
+    async with asyncio.timeout(1):
+        async with gate.episode():  # new episodes are let in again
+            pass
+    hold.set()
+    await running
+
+
+def test_settings_read_flags_and_prefixed_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://10.0.0.1:6379/2")
+    monkeypatch.setenv("STARGYM_ROLLOUT_ENGINE_URLS", "http://a:8210/, http://b:8210")
+    monkeypatch.setenv("STARGYM_ROLLOUT_ENV_URLS", "game=http://g:8101,search=http://s:8103")
+    for name in ("STARGYM_CONCURRENCY", "CONCURRENCY", "TOKENIZER"):  # not ours: ignored
+        monkeypatch.setenv(name, "3")
+    monkeypatch.setenv("STARGYM_LOG_LEVEL", "info")  # shared by every service
+    settings = WorkerSettings()
+    assert settings.redis_url == "redis://10.0.0.1:6379/2"
+    assert settings.engine_urls == ["http://a:8210", "http://b:8210"]
+    assert settings.env_urls == {"game": "http://g:8101", "search": "http://s:8103"}
+    assert (settings.concurrency, settings.tokenizer, settings.port) == (64, "models/tiny", 8200)
+    assert settings.log_level == "info"
+    monkeypatch.setenv("STARGYM_PORT", "9000")
+    assert WorkerSettings().port == 9000
+    monkeypatch.setenv("STARGYM_ROLLOUT_PORT", "9001")  # the worker's own name wins
+    monkeypatch.setenv("STARGYM_ROLLOUT_CONCURRENCY", "16")
+    assert (WorkerSettings().port, WorkerSettings().concurrency) == (9001, 16)
+    assert WorkerSettings(port=1, concurrency=2).port == 1
+    assert settings.touch_every_s == settings.visibility_timeout_s / 3
+    assert WorkerSettings(concurrency=5, env_urls=["web=http://w"]).env_urls == {"web": "http://w"}
+    for bad in ("game", "game/frozenlake=http://g", "game=http://a,game=http://b"):
+        with pytest.raises(ValueError):
+            parse_env_urls(bad)
+    with pytest.raises(ValueError):
+        WorkerSettings(visibility_timeout_s=3, touch_interval_s=5)
