@@ -1,0 +1,165 @@
+"""Trainer update benchmark (``make bench``): PolicyUpdater.update against a bare training loop.
+
+It makes the tiny default policy in a temp dir and samples one update batch shaped like the
+``frozenlake-tiny`` recipe's: 16 groups x 8 episodes, 1-8 turns each, a 125-token first prompt
+(FrozenLake's instruction and map, chat-formatted), 33-token observations and replies of up to 8
+tokens that stop at an action token, sampled from the model itself at the recipe's temperature
+(real behaviour log-probs). Sampling runs on one torch thread (one-token forwards). Then, in this same run and on the same batch, alternating:
+
+* bare: the same micro-batches (``optim.micro_batch_tokens``), each ``model(...)`` -> mean
+  cross-entropy of the trainable tokens -> ``backward()``, then one ``optimizer.step()`` (AdamW);
+* updater: ``PolicyUpdater.update`` with the recipe's config (GRPO advantages, PPO loss against
+  the behaviour log-probs, entropy bonus, the log-prob gap, gradient clipping, LR schedule, metrics).
+
+Throughput is real (unpadded) tokens per second of update; the overhead is
+``bare tokens/s / updater tokens/s - 1`` (target <= 15%). Results go to ``bench/results/trainer.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ is first on sys.path and bench/env_server.py would shadow the package.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from deploy.model_init import init_tiny_model  # noqa: E402
+from services.policy import load_policy  # noqa: E402
+from trainer.batch import TrainBatch, collate, micro_batches, synthetic_trajectories  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.update import PolicyUpdater  # noqa: E402
+
+CONFIG = ROOT / "configs" / "frozenlake-tiny.yaml"
+RESULTS = ROOT / "bench" / "results" / "trainer.json"
+ACTIONS = ["Left", "Right", "Up", "Down"]
+
+
+def bare_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TrainBatch, budget: int
+) -> None:
+    """forward + backward per micro-batch, one optimizer step: the floor an update cannot beat."""
+    total = batch.response_mask.sum().clamp(min=1.0)
+    for micro in micro_batches(batch, budget):
+        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+        positions = micro.response_mask[:, 1:].bool()
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1][positions].float(), micro.input_ids[:, 1:][positions], reduction="sum"
+        )
+        (loss / total).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="Timed rounds of each (after one warm-up).")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = load_config(CONFIG)
+    budget = config.optim.micro_batch_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "tiny", 0, ["game/frozenlake"], 20, 8)
+        model, tokenizer = load_policy(model_dir)
+        vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+        stops = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(action))[0] for action in ACTIONS]
+        started = time.perf_counter()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one-token forwards: threads only add overhead
+        sampled_groups = config.rollout.groups_per_batch
+        sampled = synthetic_trajectories(
+            model,
+            groups=sampled_groups,
+            group_size=config.rollout.group_size,
+            vocab_ids=vocab,
+            first_prompt_len=125,
+            observation_len=33,
+            turns=(1, config.curriculum.horizon_schedule[0][1]),
+            sampling=config.rollout.sampling,
+            stop_token_ids=stops,
+            seed=0,
+        )
+        sample_s = time.perf_counter() - started
+        torch.set_num_threads(threads)
+        copies = -(-config.rollout.groups_per_batch // sampled_groups)
+        trajectories = [
+            t.model_copy(update={"group_id": f"{t.group_id}-copy{copy}", "job_id": f"{t.job_id}-copy{copy}"})
+            for copy in range(copies)
+            for t in sampled
+        ][: config.rollout.batch_size]
+        batch = collate(trajectories, tokenizer.pad_token_id)
+        bare_model, _ = load_policy(model_dir)
+        bare_model.train()
+        bare_optimizer = torch.optim.AdamW(
+            bare_model.parameters(),
+            lr=config.optim.lr,
+            betas=config.optim.betas,
+            weight_decay=0.0,
+            foreach=True,
+        )
+        updater = PolicyUpdater(model, config)
+
+    tokens = batch.num_tokens
+    bare_times: list[float] = []
+    update_times: list[float] = []
+    metrics: dict[str, float] = {}
+    for round_index in range(args.rounds + 1):
+        started = time.perf_counter()
+        bare_step(bare_model, bare_optimizer, batch, budget)
+        bare_s = time.perf_counter() - started
+        started = time.perf_counter()
+        metrics = updater.update(batch)
+        update_s = time.perf_counter() - started
+        if round_index > 0:  # the first round warms both up
+            bare_times.append(bare_s)
+            update_times.append(update_s)
+    bare_tps = tokens / statistics.median(bare_times)
+    update_tps = tokens / statistics.median(update_times)
+    overhead = bare_tps / update_tps - 1.0
+    result = {
+        "batch": {
+            "episodes": batch.size,
+            "tokens": tokens,
+            "trainable_tokens": batch.num_trainable_tokens,
+            "padded_len": batch.seq_len,
+            "micro_batches": len(micro_batches(batch, budget)),
+            "micro_batch_tokens": budget,
+            "sampled_in_s": round(sample_s, 2),
+        },
+        "bare_tokens_per_s": round(bare_tps, 1),
+        "updater_tokens_per_s": round(update_tps, 1),
+        "overhead_pct": round(100 * overhead, 1),
+        "target_overhead_pct": 15.0,
+        "rounds": args.rounds,
+        "bare_s": [round(t, 4) for t in bare_times],
+        "update_s": [round(t, 4) for t in update_times],
+        "last_metrics": {k: round(v, 6) for k, v in metrics.items()},
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"batch: {batch.size} episodes, {tokens} tokens ({batch.num_trainable_tokens} trainable), "
+        f"{result['batch']['micro_batches']} micro-batch(es), sampled in {sample_s:.1f}s"
+    )
+    print(f"bare forward+backward+step: {bare_tps:,.0f} tokens/s")
+    print(f"PolicyUpdater.update:       {update_tps:,.0f} tokens/s")
+    print(f"overhead: {100 * overhead:.1f}% (target <= 15%)  -> {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

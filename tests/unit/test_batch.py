@@ -1,0 +1,133 @@
+"""trainer/batch.py: collating trajectories into padded tensors and packing micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deploy.model_init import init_tiny_model
+from services.policy import load_policy
+from services.rollout_protocol import SamplingParams, Trajectory
+from trainer.algorithms import logprobs_from_logits
+from trainer.batch import (
+    TrainBatch,
+    UntrainableTrajectoryError,
+    collate,
+    micro_batches,
+    synthetic_trajectories,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    path = init_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", 0, ["game/frozenlake"], 10, 5)
+    model, tokenizer = load_policy(path)
+    vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+    return model, tokenizer, vocab
+
+
+@pytest.fixture(scope="module")
+def trajectories(tiny) -> list[Trajectory]:
+    model, _, vocab = tiny
+    return synthetic_trajectories(
+        model,
+        groups=3,
+        group_size=4,
+        vocab_ids=vocab,
+        first_prompt_len=20,
+        observation_len=7,
+        turns=(1, 4),
+        sampling=SamplingParams(temperature=0.7, max_tokens=4),
+        seed=1,
+    )
+
+
+def test_collate_shapes_masks_and_alignment(tiny, trajectories: list[Trajectory]) -> None:
+    model, tokenizer, _ = tiny
+    batch = collate(trajectories, tokenizer.pad_token_id)
+    lengths = [len(t.token_ids) for t in trajectories]
+    assert batch.input_ids.shape == (len(trajectories), max(lengths))
+    assert batch.lengths.tolist() == lengths
+    assert batch.index.tolist() == list(range(len(trajectories)))
+    for row, trajectory in enumerate(trajectories):
+        n = len(trajectory.token_ids)
+        assert batch.input_ids[row, :n].tolist() == trajectory.token_ids
+        assert (batch.input_ids[row, n:] == tokenizer.pad_token_id).all()
+        assert batch.response_mask[row, :n].tolist() == trajectory.loss_mask
+        assert batch.response_mask[row, n:].sum() == 0
+        assert batch.scores[row] == trajectory.reward
+    assert batch.group_ids[0] == batch.group_ids[3] != batch.group_ids[4]
+    # Position t holds log p(token_t | <t): the same convention as logprobs_from_logits.
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    recomputed = logprobs_from_logits(logits, batch.input_ids, temperature=0.7)
+    gap = ((recomputed - batch.behaviour_logprobs).abs() * batch.response_mask).max()
+    assert gap < 1e-4
+
+
+def test_collate_keeps_turn_structure(tiny, trajectories: list[Trajectory]) -> None:
+    batch = collate(trajectories, tiny[1].pad_token_id)
+    assert batch.turn_rewards is not None and batch.turn_end_indices is not None
+    for row, trajectory in enumerate(trajectories):
+        ends = batch.turn_end_indices[row]
+        assert len(ends) == trajectory.num_turns
+        assert ends[-1] == len(trajectory.token_ids) - 1
+        for end in ends:  # every turn ends on its last sampled token
+            assert trajectory.loss_mask[end] == 1
+        assert sum(batch.turn_rewards[row]) == pytest.approx(trajectory.reward)
+
+
+def test_collate_refuses_untrainable(tiny, trajectories: list[Trajectory]) -> None:
+    pad = tiny[1].pad_token_id
+    failed = trajectories[1].model_copy(update={"error": "env server went away"})
+    with pytest.raises(UntrainableTrajectoryError, match=r"trajectory 1 .*env server went away"):
+        collate([trajectories[0], failed], pad)
+    text_only = Trajectory.model_validate(
+        {
+            **trajectories[0].model_dump(),
+            "token_ids": [],
+            "loss_mask": [],
+            "logprobs": [],
+            "text_only": True,
+        }
+    )
+    with pytest.raises(UntrainableTrajectoryError, match="text-only"):
+        collate([text_only], pad)
+    with pytest.raises(ValueError):
+        collate([], pad)
+
+
+def _check_partition(batch: TrainBatch, micros: list[TrainBatch], budget: int) -> None:
+    seen = sorted(row for micro in micros for row in micro.index.tolist())
+    assert seen == list(range(batch.size))
+    for micro in micros:
+        assert micro.padded_tokens <= budget or micro.size == 1
+        assert micro.seq_len == int(micro.lengths.max())
+        for local, row in enumerate(micro.index.tolist()):
+            n = int(batch.lengths[row])
+            assert torch.equal(micro.input_ids[local, :n], batch.input_ids[row, :n])
+            assert torch.equal(micro.response_mask[local, :n], batch.response_mask[row, :n])
+            assert torch.equal(micro.behaviour_logprobs[local, :n], batch.behaviour_logprobs[row, :n])
+            assert micro.group_ids[local] == batch.group_ids[row]
+            assert micro.scores[local] == batch.scores[row]
+
+
+@pytest.mark.parametrize("budget", [1, 40, 100, 250, 10_000])
+def test_micro_batches_fit_the_budget_and_recombine(
+    tiny, trajectories: list[Trajectory], budget: int
+) -> None:
+    batch = collate(trajectories, tiny[1].pad_token_id)
+    micros = micro_batches(batch, budget)
+    _check_partition(batch, micros, budget)
+    if budget >= batch.padded_tokens:
+        assert len(micros) == 1
+    if budget == 1:
+        assert len(micros) == batch.size  # each longer sequence on its own
+    # Per-row results scatter back to the batch's order.
+    full = torch.zeros_like(batch.behaviour_logprobs)
+    for micro in micros:
+        micro.scatter_rows(full, micro.behaviour_logprobs)
+        assert torch.equal(micro.gather_rows(full), micro.behaviour_logprobs)
+    assert torch.equal(full, batch.behaviour_logprobs)
+    with pytest.raises(ValueError):
+        micro_batches(batch, 0)

@@ -1,0 +1,306 @@
+"""trainer/update.py: the PPO-family update step on the tiny model, with sampled trajectories."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from deploy.model_init import init_tiny_model
+from services.policy import load_policy
+from services.rollout_protocol import SamplingParams
+from trainer.algorithms import logprobs_from_logits, next_token_entropy
+from trainer.batch import TrainBatch, collate, synthetic_trajectories
+from trainer.checkpoint import CheckpointStore
+from trainer.config import TrainConfig
+from trainer.update import PolicyUpdater, _lr_multiplier, selected_logprobs_and_entropy
+
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", 0, ["game/frozenlake"], 10, 5)
+
+
+def _vocab(tokenizer) -> list[int]:
+    return [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+
+
+def _config(**algorithm) -> TrainConfig:
+    optim = algorithm.pop("optim", {})
+    return TrainConfig.from_dict(
+        {
+            "rollout": {"sampling": {"temperature": TEMPERATURE, "max_tokens": 4}},
+            "algorithm": algorithm,
+            "optim": {"lr": 1e-3, "weight_decay": 0.0, "micro_batch_tokens": 8192, **optim},
+        }
+    )
+
+
+def _batch(model, tokenizer, seed: int = 0, groups: int = 3, group_size: int = 4, **kwargs) -> TrainBatch:
+    trajectories = synthetic_trajectories(
+        model,
+        groups=groups,
+        group_size=group_size,
+        vocab_ids=_vocab(tokenizer),
+        first_prompt_len=kwargs.pop("first_prompt_len", 20),
+        observation_len=7,
+        turns=kwargs.pop("turns", (1, 3)),
+        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=kwargs.pop("max_tokens", 4)),
+        seed=seed,
+        **kwargs,
+    )
+    return collate(trajectories, tokenizer.pad_token_id)
+
+
+def test_fused_terms_match_the_algorithm_functions(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logprobs, entropy = selected_logprobs_and_entropy(
+        logits, batch.input_ids, batch.response_mask, TEMPERATURE
+    )
+    mask = batch.response_mask
+    expected = logprobs_from_logits(logits, batch.input_ids, TEMPERATURE) * mask
+    assert torch.allclose(logprobs, expected, atol=1e-5)
+    assert torch.allclose(entropy, next_token_entropy(logits, TEMPERATURE) * mask, atol=1e-5)
+
+
+def test_metrics_and_first_update_logprob_gap(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer)
+    updater = PolicyUpdater(model, _config(optim={"micro_batch_tokens": 64}))
+    metrics = updater.update(batch)
+    for name in (
+        "train/pg_loss",
+        "train/vf_loss",
+        "train/entropy",
+        "train/kl",
+        "train/clipfrac",
+        "train/grad_norm",
+        "train/lr",
+        "rollout/logprob_gap",
+        "system/update_tokens",
+        "system/update_s",
+    ):
+        assert name in metrics and math.isfinite(metrics[name]), name
+    # Sampled by these very weights at this temperature: the recomputed log-probs agree.
+    assert metrics["rollout/logprob_gap"] < 1e-4
+    assert metrics["train/clipfrac"] == 0.0  # ratio 1 on the first pass
+    assert metrics["system/update_tokens"] == batch.num_tokens
+    assert metrics["system/micro_batches"] > 1
+    assert metrics["train/lr"] == pytest.approx(1e-3)
+    assert 0 < metrics["train/entropy"] < math.log(len(tokenizer))
+    # The weights moved, so the same batch is now off-policy by a measurable gap.
+    assert updater.update(batch)["rollout/logprob_gap"] > 1e-4
+
+
+def _grads_of_one_update(model_dir: Path, batch: TrainBatch, budget: int, **algorithm) -> list[torch.Tensor]:
+    model, _ = load_policy(model_dir)
+    updater = PolicyUpdater(
+        model, _config(optim={"micro_batch_tokens": budget, "grad_clip": None}, **algorithm)
+    )
+    captured: list[torch.Tensor] = []
+
+    def capture(optimizer, args, kwargs) -> None:
+        captured.extend(p.grad.detach().clone() for p in updater.policy.parameters())
+
+    updater.optimizer.register_step_pre_hook(capture)
+    metrics = updater.update(batch)
+    assert metrics["system/micro_batches"] == (
+        1 if budget >= batch.padded_tokens else metrics["system/micro_batches"]
+    )
+    return captured
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_accumulated_micro_batches_give_the_full_batch_gradient(model_dir: Path, loss_agg: str) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer, seed=3)
+    full = _grads_of_one_update(model_dir, batch, 10**6, loss_agg=loss_agg, entropy_coef=0.01)
+    split = _grads_of_one_update(model_dir, batch, 50, loss_agg=loss_agg, entropy_coef=0.01)
+    assert len(full) == len(split) > 0
+    assert any(g.abs().sum() > 0 for g in full)
+    for a, b in zip(full, split, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_grpo_raises_the_probability_of_the_rewarded_token(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    # Single-turn, single-token replies; in group 0 the episodes that chose its first episode's
+    # token X are rewarded; every other episode gets 0.
+    trajectories = synthetic_trajectories(
+        model,
+        groups=4,
+        group_size=8,
+        vocab_ids=_vocab(tokenizer),
+        first_prompt_len=12,
+        turns=(1, 1),
+        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=1),
+        seed=5,
+    )
+    rewarded_group = trajectories[0].group_id
+    chosen = trajectories[0].token_ids[-1]
+    for trajectory in list(trajectories):
+        token = trajectory.token_ids[-1]
+        reward = float(trajectory.group_id == rewarded_group and token == chosen)
+        turn = trajectory.turns[-1].model_copy(update={"reward": reward})
+        trajectories[trajectories.index(trajectory)] = trajectory.model_copy(
+            update={"reward": reward, "turns": [turn]}
+        )
+    batch = collate(trajectories, tokenizer.pad_token_id)
+    rewarded = [row for row in range(batch.size) if batch.scores[row] > 0]
+    assert 0 < len(rewarded) < batch.size
+
+    def prob_of_rewarded_tokens(policy) -> torch.Tensor:
+        with torch.no_grad():
+            logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logprobs = logprobs_from_logits(logits, batch.input_ids, TEMPERATURE)
+        return logprobs[rewarded, -1].exp()
+
+    before = prob_of_rewarded_tokens(model)
+    updater = PolicyUpdater(model, _config(advantage="grpo", optim={"lr": 1e-2}))
+    for _ in range(3):
+        updater.update(batch)
+    after = prob_of_rewarded_tokens(updater.policy)
+    assert (after > before).all(), (before, after)
+    assert after.mean() > 1.5 * before.mean()
+
+
+def test_gae_critic_value_loss_decreases(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer, seed=7)
+    batch.scores[:] = torch.linspace(0.0, 1.0, batch.size)
+    batch.turn_rewards = None  # reward on the last trainable token
+    config = _config(advantage="gae", gamma=0.99, lam=0.95, critic={"enabled": True, "lr": 1e-3})
+    updater = PolicyUpdater(model, config, reference_model=copy.deepcopy(model))
+    assert updater.critic is not None and updater.critic_optimizer is not None
+    losses = [updater.update(batch)["train/vf_loss"] for _ in range(8)]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < 0.5 * losses[0], losses
+    metrics = updater.update(batch)
+    assert metrics["train/kl"] > 0  # a reference is given: the KL to it is measured
+
+
+def test_lr_schedules() -> None:
+    assert [_lr_multiplier(s, 2, "constant", 10) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = [_lr_multiplier(s, 2, "cosine", 10) for s in range(12)]
+    assert cosine[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(cosine[2:]))
+    assert cosine[10] == pytest.approx(0.0) and cosine[11] == pytest.approx(0.0)
+
+
+def test_state_dict_round_trip_through_the_checkpoint_store(model_dir: Path, tmp_path: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer, seed=9)
+    config = _config(
+        advantage="gae", critic={"enabled": True}, optim={"warmup_steps": 3, "schedule": "cosine"}
+    )
+    updater = PolicyUpdater(model, config)
+    updater.update(batch)
+    updater.update(batch)
+    state = updater.state_dict()
+    assert state["step"] == 2 and state["critic"] is not None
+
+    fresh_model, _ = load_policy(model_dir)
+    fresh = PolicyUpdater(fresh_model, config)
+    fresh.load_state_dict(state)
+    assert fresh.step == 2 and fresh.lr == pytest.approx(updater.lr)
+    again = fresh.state_dict()
+    for key, value in state["optimizer"]["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(tensor, again["optimizer"]["state"][key][name])
+    for key, tensor in state["critic"]["model"].items():
+        assert torch.equal(tensor, again["critic"]["model"][key])
+
+    store = CheckpointStore(tmp_path / "run")
+    store.save(2, updater.gathered_policy(), tokenizer, **updater.checkpoint_parts())
+    restored_model, _ = load_policy(model_dir)
+    restored = PolicyUpdater(restored_model, config)
+    loaded = store.load(policy=restored.policy, **restored.checkpoint_parts(for_loading=True))
+    assert loaded.step == 2 and restored.step == 2
+    assert restored.lr == pytest.approx(updater.lr)
+    for a, b in zip(restored.policy.parameters(), updater.policy.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert restored.critic is not None and updater.critic is not None
+    for a, b in zip(restored.critic.parameters(), updater.critic.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # Both continue identically.
+    assert restored.update(batch)["train/pg_loss"] == pytest.approx(updater.update(batch)["train/pg_loss"])
+
+
+# --- two processes on the gloo backend ---------------------------------------------------------
+
+
+def _distributed_worker(rank: int, world: int, model_dir: str, out_dir: str, parallel: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    try:
+        model, tokenizer = load_policy(model_dir)
+        # Different data on each rank (its own seed, its own groups).
+        batch = _batch(model, tokenizer, seed=100 + rank, groups=2 + rank)
+        updater = PolicyUpdater(model, _config(optim={"micro_batch_tokens": 64}), parallel=parallel)  # type: ignore[arg-type]
+        metrics = updater.update(batch)
+        state = updater.full_policy_state_dict(rank0_only=False)
+        torch.save(
+            {"state": {k: v.detach().cpu().clone() for k, v in state.items()}, "metrics": metrics},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+        parts = updater.checkpoint_parts()  # a collective: every rank
+        policy = updater.gathered_policy()
+        if rank == 0:
+            assert policy is not None and parts["optimizer"].state_dict()["state"]
+            CheckpointStore(Path(out_dir) / "run").save(1, policy, tokenizer, **parts)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_gloo_processes_end_with_identical_weights(
+    model_dir: Path, tmp_path: Path, parallel: str
+) -> None:
+    mp.spawn(_distributed_worker, args=(2, str(model_dir), str(tmp_path), parallel), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    initial, tokenizer = load_policy(model_dir)
+    initial_state = initial.state_dict()
+    changed = 0
+    for key, tensor in ranks[0]["state"].items():
+        assert torch.equal(tensor, ranks[1]["state"][key]), key
+        changed += int(not torch.equal(tensor, initial_state[key]))
+    assert changed > 0
+    # The ranks saw different data, yet report one global gradient: the one of the union batch
+    # (groups stay whole per rank, so GRPO advantages are the same).
+    assert ranks[0]["metrics"]["train/grad_norm"] == pytest.approx(ranks[1]["metrics"]["train/grad_norm"])
+    single_model, _ = load_policy(model_dir)
+    from trainer.batch import collate as collate_all
+
+    union = [
+        t
+        for rank in range(2)
+        for t in synthetic_trajectories(
+            single_model,
+            groups=2 + rank,
+            group_size=4,
+            vocab_ids=_vocab(tokenizer),
+            first_prompt_len=20,
+            observation_len=7,
+            turns=(1, 3),
+            sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=4),
+            seed=100 + rank,
+        )
+    ]
+    single = PolicyUpdater(single_model, _config(optim={"micro_batch_tokens": 64}))
+    expected = single.update(collate_all(union, tokenizer.pad_token_id))
+    assert ranks[0]["metrics"]["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)
+    assert ranks[0]["metrics"]["system/update_tokens"] == expected["system/update_tokens"]
+    assert CheckpointStore(tmp_path / "run").latest() == 1
