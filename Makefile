@@ -44,6 +44,7 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/env_server.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/trainer.py
 
 lint: setup
