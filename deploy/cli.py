@@ -6,6 +6,8 @@ import typer
 
 from deploy.eval import eval_command
 from deploy.model_init import model_init_command
+from deploy.train import train_command
+from deploy.up import up_command
 from env_server.serve import serve_command
 from rollout_server.engine.serve import serve_command as engine_serve_command
 from rollout_server.serve import rollout_command
@@ -22,6 +24,8 @@ app.add_typer(engine_app, name="engine")
 engine_app.command("serve")(engine_serve_command)
 app.command("rollout")(rollout_command)
 app.command("eval")(eval_command)
+app.command("train")(train_command)
+app.command("up")(up_command)
 
 
 @env_app.command("list")

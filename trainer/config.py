@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.rollout_protocol import ActionFormat, SamplingParams
+from trainer.algorithms.curriculum import HorizonSchedule
 
 DEFAULT_MODEL_PATH = "models/tiny"
 CHECKPOINTS_ROOT = "checkpoints"
@@ -211,6 +212,12 @@ class RolloutConfig(Section):
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per-turn sampling.")
     action_format: ActionFormat = Field(default="plain", description="plain | answer_tags")
     max_model_len: int | None = Field(default=None, gt=0, description="Context limit; None: the engine's.")
+    invalid_penalty: float = Field(
+        default=0.0,
+        le=0,
+        description="Added by the trainer to an episode's return, times the share of its turns the env "
+        "judged invalid (plain format has no format penalty of its own); 0: off.",
+    )
 
     @property
     def batch_size(self) -> int:
@@ -285,17 +292,10 @@ class CurriculumConfig(Section):
             raise ValueError(f"max turns must be >= 1, got {bad[0]}")
         return schedule
 
-    def max_turns_at(self, step: int) -> int:
-        """Max turns of jobs issued at update ``step``: the last stage that has started."""
-        turns = self.horizon_schedule[0][1]
-        for start, stage_turns in self.horizon_schedule:
-            if step >= start:
-                turns = stage_turns
-        return turns
-
-    def stage_at(self, step: int) -> int:
-        """Index of the stage in force at ``step`` (for logging stage changes)."""
-        return max(index for index, (start, _) in enumerate(self.horizon_schedule) if step >= start)
+    @property
+    def schedule(self) -> HorizonSchedule:
+        """The schedule as :class:`trainer.algorithms.curriculum.HorizonSchedule` (max turns, stages)."""
+        return HorizonSchedule([list(stage) for stage in self.horizon_schedule])
 
 
 # --- optimisation, checkpoints, metrics, services ---------------------------------------------

@@ -58,11 +58,11 @@ def test_recipes_say_what_the_issue_says() -> None:
     lake = by_name["frozenlake-tiny"]
     assert (lake.rollout.groups_per_batch, lake.rollout.group_size) == (16, 8)
     assert lake.algorithm.advantage == "grpo" and lake.optim.lr == pytest.approx(2e-3)
-    assert lake.envs.mix[0].options == {"size": 4} and lake.curriculum.max_turns_at(10_000) == 8
-    assert lake.rollout.action_format == "plain" and lake.model.path == "models/tiny"
+    assert lake.envs.mix[0].options == {"size": 4} and lake.curriculum.schedule.max_turns(10_000) == 8
+    assert lake.rollout.action_format == "plain" and lake.model.path == "models/tiny-frozenlake"
     craft = by_name["textcraft-qwen2.5-7b-gpu"]
     assert craft.curriculum.horizon_schedule == [(0, 10), (100, 20), (200, 30)]
-    turns = [craft.curriculum.max_turns_at(step) for step in (0, 99, 100, 199, 200, 10_000)]
+    turns = [craft.curriculum.schedule.max_turns(step) for step in (0, 99, 100, 199, 200, 10_000)]
     assert turns == [10, 10, 20, 20, 30, 30]
     assert craft.algorithm.advantage == "grpo" and craft.optim.lr == pytest.approx(1e-6)
     assert craft.rollout.group_size == 8 and craft.algorithm.kl_coef == pytest.approx(0.001)

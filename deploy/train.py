@@ -1,0 +1,102 @@
+"""``stargym train CONFIG``: the trainer service of one run, resumed from its newest checkpoint.
+
+    stargym train configs/frozenlake-tiny.yaml
+    stargym train configs/frozenlake-tiny.yaml --set optim.total_steps=50 --set run.output_dir=runs/x
+
+Redis comes from ``REDIS_URL``; the HTTP API (``/health``, ``/metrics``, ``/status``) listens on the
+config's ``dashboard.port`` (8300) unless ``--port`` says otherwise. Rollout workers, env servers
+and an engine must be running (``stargym up CONFIG`` starts them all). With
+``model.init_tiny_if_missing`` an absent model directory is made first, as ``stargym model init``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from trainer.config import ConfigError, TrainConfig, load_config
+
+
+def parse_overrides(values: list[str] | None) -> dict[str, Any]:
+    """``['optim.lr=1e-3', 'run.name=x']`` → ``{'optim.lr': 0.001, 'run.name': 'x'}`` (YAML values)."""
+    overrides: dict[str, Any] = {}
+    for item in values or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{item!r} must be KEY=VALUE, e.g. optim.lr=1e-3", param_hint="--set")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
+def load_train_config(path: Path, overrides: list[str] | None = None) -> TrainConfig:
+    try:
+        return load_config(path, parse_overrides(overrides))
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="CONFIG") from None
+
+
+def ensure_model(config: TrainConfig) -> None:
+    """Make the tiny policy at ``model.path`` if it is absent and the config asks for it."""
+    path = Path(config.model.path)
+    if (path / "config.json").is_file():
+        return
+    if not config.model.init_tiny_if_missing:
+        raise typer.BadParameter(
+            f"model.path {str(path)!r} has no model: run `stargym model init --out {path}` "
+            "or set model.init_tiny_if_missing: true"
+        )
+    from deploy.model_init import DEFAULT_FAMILY, init_tiny_model
+
+    # The vocabulary is built from the envs the run trains on: the smaller it is, the more often a
+    # random policy names a valid action (single tokens), which is where learning starts.
+    envs = [env.id for env in config.envs.mix] or [DEFAULT_FAMILY]
+    typer.echo(f"model {path} is missing: making the tiny policy from {', '.join(envs)}")
+    init_tiny_model(path, config.run.seed, envs, 100, 20)
+
+
+def train_command(
+    config_path: Annotated[Path, typer.Argument(metavar="CONFIG", help="Run config (configs/*.yaml).")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a config key, KEY=VALUE (YAML value); repeatable."),
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port; default: the config's dashboard.port.")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Listen address; default: the config's dashboard.host.")
+    ] = None,
+    max_minutes: Annotated[
+        float | None, typer.Option(min=0.0, help="Stop (with a checkpoint) after this many minutes.")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch intra-op threads.")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="torch device; default cuda if available, else cpu.")
+    ] = None,
+) -> None:
+    """Train a policy: issue rollout jobs, update on trajectories, publish policies, checkpoint."""
+    config = load_train_config(config_path, set_)
+    ensure_model(config)
+    from trainer.service import Trainer, TrainerSettings, serve
+
+    settings = TrainerSettings(
+        **{
+            key: value
+            for key, value in {
+                "host": host or os.environ.get("STARGYM_HOST") or config.dashboard.host,
+                "port": port or config.dashboard.port,
+            }.items()
+        }
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    trainer = Trainer(config, redis_url=settings.redis_url, max_minutes=max_minutes, device=device)
+    code = serve(trainer, settings)
+    if code:
+        raise typer.Exit(code)

