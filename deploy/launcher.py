@@ -82,7 +82,11 @@ def start_service(
     log_path = log_dir / f"{name}-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [*STARGYM, *args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
+            [*STARGYM, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
     service = ServiceProcess(name, f"http://127.0.0.1:{port}", process, log_path)
     try:

@@ -13,7 +13,15 @@ from deploy.launcher import stop_process as stop_server
 from services.redis_local import LocalRedis, start_redis_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["REPO_ROOT", "STARGYM", "RunningServer", "free_port", "start_server", "stop_server", "wait_healthy"]
+__all__ = [
+    "REPO_ROOT",
+    "STARGYM",
+    "RunningServer",
+    "free_port",
+    "start_server",
+    "stop_server",
+    "wait_healthy",
+]
 
 
 def start_server(
