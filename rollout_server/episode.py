@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_server.actions import (
+    ParsedReply,
     env_action,
     format_instruction,
     parse_reply,
@@ -261,27 +262,24 @@ async def run_episode(
                     timings["generate_s"] += time.perf_counter() - clock
                 context.add_reply(completion)
                 response = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-                parsed = parse_reply(response, action_format, max_actions)
-                action = env_action(parsed)
-                reward, done, valid, next_observation = parsed.penalty, False, False, observation
-                if action is not None:
-                    clock = time.perf_counter()
-                    try:
-                        step = await envs.step(instance_id, action)
-                    except EnvClientError as exc:
-                        raise EpisodeEnvError(
-                            f"{job.env}: step {turn_index} failed: {exc}",
-                            stage="step",
-                            turn=turn_index,
-                            instance_id=instance_id,
-                        ) from exc
-                    finally:
-                        timings["env_s"] += time.perf_counter() - clock
-                    reward += step.reward
-                    done = step.done
-                    valid = bool(step.info.get("valid", True)) and parsed.format_ok
-                    next_observation = step.observation
-                    success = bool(step.info.get("success", success))
+                parsed, outcome = await play_reply(
+                    job,
+                    envs,
+                    instance_id,
+                    turn_index,
+                    response,
+                    action_format,
+                    max_actions,
+                    observation,
+                    timings,
+                )
+                reward, done, valid, next_observation = (
+                    outcome.reward,
+                    outcome.done,
+                    outcome.valid,
+                    outcome.observation,
+                )
+                success = outcome.success if outcome.success is not None else success
                 turns.append(
                     Turn(
                         observation=observation,
@@ -356,3 +354,56 @@ async def _generate(
             delay = min(delay * 2, 2.0)
             timings["busy_wait_s"] += wait
             await asyncio.sleep(wait)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyOutcome:
+    """What one reply did in the env: the format penalty plus the step's result, if it stepped."""
+
+    reward: float
+    done: bool
+    valid: bool
+    observation: str
+    success: bool | None  # the env's verdict when it gave one, else None
+
+
+async def play_reply(
+    job: RolloutJob,
+    envs: EnvClient,
+    instance_id: str,
+    turn_index: int,
+    response: str,
+    action_format: ActionFormat,
+    max_actions: int,
+    observation: str,
+    timings: dict[str, float],
+) -> tuple[ParsedReply, ReplyOutcome]:
+    """Parse a reply and carry its action out; a reply with no action costs the format penalty.
+
+    Shared by the token-level runner and the chat runner, so both score an episode the same way.
+    """
+    parsed = parse_reply(response, action_format, max_actions)
+    action = env_action(parsed)
+    if action is None:
+        return parsed, ReplyOutcome(parsed.penalty, False, False, observation, None)
+    clock = time.perf_counter()
+    try:
+        step = await envs.step(instance_id, action)
+    except EnvClientError as exc:
+        raise EpisodeEnvError(
+            f"{job.env}: step {turn_index} failed: {exc}",
+            stage="step",
+            turn=turn_index,
+            instance_id=instance_id,
+        ) from exc
+    finally:
+        timings["env_s"] += time.perf_counter() - clock
+    valid = bool(step.info.get("valid", True)) and parsed.format_ok
+    success = step.info.get("success")
+    return parsed, ReplyOutcome(
+        parsed.penalty + step.reward,
+        step.done,
+        valid,
+        step.observation,
+        None if success is None else bool(success),
+    )

@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from rollout_server.actions import env_action, format_instruction, parse_reply
-from rollout_server.episode import INSTRUCTION_SEPARATOR, EpisodeEnvError
+from rollout_server.actions import format_instruction
+from rollout_server.episode import INSTRUCTION_SEPARATOR, EpisodeEnvError, play_reply
 from services.engine_client import (
     EngineBusyError,
     EngineConnectionError,
@@ -301,27 +301,24 @@ async def run_chat_episode(
             finally:
                 timings["generate_s"] += time.perf_counter() - clock
             messages.append({"role": "assistant", "content": reply.content})
-            parsed = parse_reply(reply.content, action_format, max_actions)
-            action = env_action(parsed)
-            reward, done, valid, next_observation = parsed.penalty, False, False, observation
-            if action is not None:
-                clock = time.perf_counter()
-                try:
-                    step = await envs.step(instance_id, action)
-                except EnvClientError as exc:
-                    raise EpisodeEnvError(
-                        f"{job.env}: step {turn_index} failed: {exc}",
-                        stage="step",
-                        turn=turn_index,
-                        instance_id=instance_id,
-                    ) from exc
-                finally:
-                    timings["env_s"] += time.perf_counter() - clock
-                reward += step.reward
-                done = step.done
-                valid = bool(step.info.get("valid", True)) and parsed.format_ok
-                next_observation = step.observation
-                success = bool(step.info.get("success", success))
+            parsed, outcome = await play_reply(
+                job,
+                envs,
+                instance_id,
+                turn_index,
+                reply.content,
+                action_format,
+                max_actions,
+                observation,
+                timings,
+            )
+            reward, done, valid, next_observation = (
+                outcome.reward,
+                outcome.done,
+                outcome.valid,
+                outcome.observation,
+            )
+            success = outcome.success if outcome.success is not None else success
             turns.append(
                 Turn(
                     observation=observation,
