@@ -2,7 +2,7 @@
 
 Everything is a real process on free loopback ports, as a user runs it:
 
-* a private ``redis-server`` (``services.redis_local.start_redis_server``);
+* a private ``redis-server`` (``deploy.redis_local.start_redis_server``);
 * ``stargym env serve game``;
 * ``stargym engine serve --model DIR`` on the tiny policy made in a temp dir from FrozenLake's texts
   (``init_tiny_model``, as ``stargym train`` makes the recipe's model);
@@ -51,7 +51,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from deploy.launcher import ServiceProcess, free_port, start_service  # noqa: E402
 from deploy.model_init import init_tiny_model  # noqa: E402
-from services.redis_local import start_redis_server  # noqa: E402
+from deploy.redis_local import start_redis_server  # noqa: E402
 from services.rollout_protocol import (  # noqa: E402
     DATA_FIELD,
     JOBS_STREAM,

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from deploy.model_init import init_tiny_model  # noqa: E402
 from services.policy import load_policy  # noqa: E402
-from trainer.batch import TrainBatch, collate, micro_batches, synthetic_trajectories  # noqa: E402
+from tests.synthetic import synthetic_trajectories  # noqa: E402
+from trainer.batch import TrainBatch, collate, micro_batches  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.update import PolicyUpdater  # noqa: E402
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from deploy.eval import EnvResult, EvalConfig, run_eval
+from deploy.evaluation import EnvResult, EvalPlan, run_eval
 from deploy.train import ensure_model, load_train_config
 from deploy.up import bring_up
 from services.policy import latest_policy
@@ -87,7 +87,7 @@ def evaluate(config: TrainConfig, model_dir: Path, out_dir: Path) -> EvalSummary
         max_tokens=config.rollout.sampling.max_tokens,
     )
     out = out_dir / "trajectories.jsonl"
-    eval_config = EvalConfig(
+    eval_config = EvalPlan(
         envs=[env.id for env in config.envs.mix],
         episodes=min(episodes, len(config.envs.eval_seeds)),
         max_turns=config.curriculum.schedule.final_max_turns,

@@ -79,7 +79,7 @@ def init_tiny_model(out: Path, seed: int, env_names: list[str], episodes: int, m
     """Collect the named envs' texts and write the tiny policy to ``out``; what the command runs."""
     texts, actions = collect_env_texts(resolve_envs(env_names), episodes, max_steps)
     # torch and transformers load here, not at import: every `stargym` command imports this module.
-    from services.tiny_model import create_tiny_policy
+    from deploy.tiny_model import create_tiny_policy
 
     return create_tiny_policy(texts, actions, out, seed)
 

@@ -27,9 +27,10 @@ import typer
 from rich.console import Console
 
 from deploy.launcher import ServiceProcess, free_port, start_service
+from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
-from services.redis_local import LocalRedis, local_redis
-from trainer.config import FAMILY_PORTS, TrainConfig
+from services.contracts import FAMILY_PORTS
+from trainer.config import TrainConfig
 
 DEFAULT_CONCURRENCY = 64
 

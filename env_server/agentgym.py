@@ -30,8 +30,7 @@ from fastapi import APIRouter, Body, Query
 from env_server.core import Env
 from env_server.pool import Instance, InstancePool
 from env_server.routes import PoolDep
-from services.errors import not_found
-from services.protocol import (
+from services.env_protocol import (
     AgentGymClose,
     AgentGymCreate,
     AgentGymCreated,
@@ -40,6 +39,7 @@ from services.protocol import (
     AgentGymStep,
     AgentGymStepResult,
 )
+from services.errors import not_found
 
 # What /create starts with before the client picks its task with /reset, as AgentGym's do.
 CREATE_SEED = 0

@@ -19,11 +19,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from env_server.core import Env, Observation, Step
+from services.contracts import ACTION_SEPARATOR
 from services.errors import ApiError, conflict, not_found, too_many
 
 T = TypeVar("T")
-
-ACTION_SEPARATOR = "||"
 
 
 class HostOptions(BaseModel):

@@ -1,4 +1,4 @@
-"""The env HTTP API of DESIGN.md: list envs, and create / step / reset / inspect / close instances."""
+"""The env HTTP API of docs/architecture.md: list envs, and create / step / reset / inspect / close instances."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from pydantic import ValidationError
 
 from env_server.core import Env, Observation, Step
 from env_server.pool import HostOptions, Instance, InstancePool
-from services.errors import ApiError
-from services.http_app import OrjsonResponse
-from services.protocol import (
+from services.env_protocol import (
     BatchStepRequest,
     BatchStepResponse,
     CreateInstance,
@@ -29,6 +27,8 @@ from services.protocol import (
     StepRequest,
     StepResult,
 )
+from services.errors import ApiError
+from services.http_app import OrjsonResponse
 
 router = APIRouter(tags=["instances"])
 

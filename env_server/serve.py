@@ -9,9 +9,8 @@ import uvicorn
 
 from env_server.app import build_app
 from env_server.registry import EnvLoadError, load_envs
+from services.contracts import FAMILY_PORTS
 from services.settings import EnvServerSettings
-
-FAMILY_PORTS = {"game": 8101, "embodied": 8102, "search": 8103, "web": 8104}
 
 
 def serve_command(

@@ -1,1 +1,1 @@
-"""See DESIGN.md."""
+"""The rollout service: engines, the episode loop, the queue worker (docs/architecture.md)."""

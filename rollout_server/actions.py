@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from services.contracts import ACTION_SEPARATOR
 from services.rollout_protocol import ActionFormat
 
 ACTION_FORMATS: tuple[str, ...] = get_args(ActionFormat)
-ACTION_SEPARATOR = "||"
 FORMAT_PENALTY = -0.1
 
 _THINK_ANSWER = re.compile(r"^\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)

@@ -1,32 +1,36 @@
-"""The episode runner: one rollout job played between an inference engine and an env server.
+"""The episode loop: one rollout job played between a policy and an env server.
 
-The worker owns the tokenizer and the chat template; the engine only ever sees token ids. The
-context grows turn by turn and is never re-tokenised:
+:func:`play_episode` is the one loop (env create/step/close, the instruction, turn bookkeeping,
+reply parsing with :func:`play_reply`, timings, truncation, env errors); what differs between
+policies is an :class:`EpisodeBackend`:
 
-* the first prompt is the env instruction and the first observation as one user message, under
-  the chat template with its generation prompt;
-* each reply is appended as exactly the token ids the engine sampled (loss mask 1, with the
-  engine's behaviour log-probs);
-* the next observation is appended as only the template's text *after* the conversation so far
-  (closing the assistant turn if the reply did not end with the end-of-turn token, the new user
-  message, the generation prompt), tokenised alone (loss mask 0, log-prob 0.0).
+* :class:`TokenContext` (:func:`run_episode`, training): a trainable engine that sees token ids
+  only. The worker owns the tokenizer and the chat template, and the context grows turn by turn,
+  never re-tokenised: the first prompt is the env instruction and the first observation as one
+  user message under the chat template with its generation prompt; each reply is appended as
+  exactly the token ids the engine sampled (loss mask 1, with the engine's behaviour log-probs);
+  each next observation as only the template's text *after* the conversation so far (closing
+  the assistant turn if the reply did not end with the end-of-turn token, the new user message,
+  the generation prompt), tokenised alone (loss mask 0, log-prob 0.0).
+* the chat messages of a hosted model (:mod:`rollout_server.openai_chat`, evaluation).
 
-A context limit ends the episode with ``truncated=True`` (a reply is given at most the room that
-is left; an observation that does not fit is not appended), as does ``max_turns`` when the env
-has not finished. The env instance is always closed. Env failures raise :class:`EpisodeEnvError`
-(the worker retries the episode); engine failures raise the engine client's typed errors, after
-backing off on 429 for up to ``busy_timeout_s``.
+An episode ends with ``truncated=True`` when ``max_turns`` is reached before the env finished,
+or when the context has no room for another reply (a reply is given at most the room that is
+left). Either way the env's next observation is still appended, as a next turn would have
+appended it: a truncated trajectory's tokens after its last sampled token are the state it was
+cut in, from which the trainer bootstraps the value; they never go to the engine. The env
+instance is always closed. Env failures raise :class:`EpisodeEnvError` (the worker retries the
+episode); engine failures raise the engine client's typed errors (a 429 is backed off inside
+the client, never here).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from rollout_server.actions import (
     ParsedReply,
@@ -35,9 +39,9 @@ from rollout_server.actions import (
     parse_reply,
     plain_stop_token_ids,
 )
-from services.engine_client import Completion, EngineBusyError, EngineClient, EngineContextLengthError
+from services.engine_client import EngineClient, EngineContextLengthError
 from services.env_client import EnvClient, EnvClientError
-from services.rollout_protocol import ActionFormat, RolloutJob, Trajectory, Turn
+from services.rollout_protocol import ActionFormat, RolloutJob, SamplingParams, Trajectory, Turn
 
 logger = logging.getLogger(__name__)
 
@@ -142,59 +146,68 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     return cached[1]
 
 
-@dataclass
-class _Context:
-    """The growing episode context: three aligned lists."""
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One policy reply as the loop sees it: its text and the token counts of the turn."""
 
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-
-    def add_prompt(self, ids: Sequence[int]) -> None:
-        self.token_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-
-    def add_reply(self, completion: Completion) -> None:
-        self.token_ids += completion.token_ids
-        self.loss_mask += [1] * len(completion.token_ids)
-        self.logprobs += completion.logprobs
+    text: str
+    prompt_tokens: int
+    """Tokens added before the reply (the observation under the template); the API's count for chat."""
+    response_tokens: int
+    busy_wait_s: float = 0.0
+    """Seconds the policy's client spent waiting out 429s for this reply."""
 
 
-async def run_episode(
+AvailableActions = Callable[[], Awaitable[list[str] | None]]
+"""The env instance's available actions (timed, env errors raised as :class:`EpisodeEnvError`)."""
+
+
+class EpisodeBackend(Protocol):
+    """What the loop needs of a policy: the context it keeps, and what the trajectory records."""
+
+    policy_version: int
+    """The weights every turn is tagged with."""
+
+    async def start(
+        self, content: str, action_format: ActionFormat, max_actions: int, available_actions: AvailableActions
+    ) -> bool:
+        """Begin the context with the first user message; False when not even one reply fits."""
+        ...
+
+    async def reply(self, sampling: SamplingParams, seed: int | None) -> Reply:
+        """The policy's next reply (EngineContextLengthError: the context is full)."""
+        ...
+
+    def observe(self, observation: str) -> bool:
+        """Append the next observation after the last reply; False when no reply fits after it.
+
+        It is appended either way: a truncated episode ends in the state it was cut in.
+        """
+        ...
+
+    def trajectory_fields(self) -> dict[str, Any]:
+        """What the trajectory records of the context (token fields, or ``text_only``)."""
+        ...
+
+
+async def play_episode(
     job: RolloutJob,
     envs: EnvClient,
-    engine: EngineClient,
-    tokenizer: Any,
+    backend: EpisodeBackend,
     env_spec_instruction: str,
-    policy_version: int,
     *,
-    max_model_len: int | None = None,
     worker_id: str = DEFAULT_WORKER_ID,
     default_action_format: ActionFormat = "plain",
-    stop_token_ids: Sequence[int] | None = None,
-    busy_timeout_s: float = 60.0,
 ) -> Trajectory:
-    """Play ``job`` to the end and return its trajectory.
+    """Play ``job`` to the end with ``backend``'s policy and return its trajectory.
 
-    Args:
-        job: what to play; ``job.sampling`` is used for every turn (``max_tokens`` per turn,
-            ``seed + turn`` as each turn's seed when a seed is set); ``job.options`` go to the env
-            (``max_actions_per_turn`` among them, which ``answer_tags`` honours too).
-        envs, engine: open clients.
-        tokenizer: the served model's tokenizer, chat template included.
-        env_spec_instruction: the env's instruction (``GET /envs``), put before the first observation.
-        policy_version: the weights the engine serves; every turn is tagged with it.
-        max_model_len: the context limit in tokens (prompt and replies); None: only the engine's.
-        worker_id: recorded in the trajectory.
-        default_action_format: used when the job names none.
-        stop_token_ids: for the plain format; None computes them from the env's available actions
-            (single-action turns only: several actions per reply must not stop at the first).
-        busy_timeout_s: how long to back off and retry while the engine answers 429.
+    ``job.sampling`` is used for every turn (``seed + turn`` as each turn's seed when a seed is
+    set); ``job.options`` go to the env (``max_actions_per_turn`` among them, which
+    ``answer_tags`` honours too). The env instruction (``GET /envs``) and the action format's
+    own instruction come before the first observation.
     """
     started = time.perf_counter()
     timings = {"env_s": 0.0, "generate_s": 0.0, "busy_wait_s": 0.0}
-    chat = chat_format(tokenizer)
     action_format: ActionFormat = job.action_format or default_action_format
     max_actions = int((job.options or {}).get("max_actions_per_turn", 1))
     instruction = env_spec_instruction
@@ -211,100 +224,69 @@ async def run_episode(
         timings["env_s"] += time.perf_counter() - clock
     instance_id = created.instance_id
 
-    context = _Context([], [], [])
+    async def available_actions() -> list[str] | None:
+        clock = time.perf_counter()
+        try:
+            return await envs.available_actions(instance_id)
+        except EnvClientError as exc:
+            raise EpisodeEnvError(
+                f"{job.env}: available_actions failed: {exc}",
+                stage="available_actions",
+                instance_id=instance_id,
+            ) from exc
+        finally:
+            timings["env_s"] += time.perf_counter() - clock
+
     turns: list[Turn] = []
     truncated = False
     success = False
+    observation = created.observation
     try:
-        stops: list[int] = []
-        if action_format == "plain" and max_actions == 1:
-            if stop_token_ids is None:
-                clock = time.perf_counter()
-                try:
-                    available = await envs.available_actions(instance_id)
-                except EnvClientError as exc:
-                    raise EpisodeEnvError(
-                        f"{job.env}: available_actions failed: {exc}",
-                        stage="available_actions",
-                        instance_id=instance_id,
-                    ) from exc
-                finally:
-                    timings["env_s"] += time.perf_counter() - clock
-                stops = plain_stop_token_ids(tokenizer, available)
-            else:
-                stops = list(stop_token_ids)
-
-        observation = created.observation
         content = f"{instruction}{INSTRUCTION_SEPARATOR}{observation}" if instruction else observation
-        prompt = chat.first_prompt(content)
-        if max_model_len is not None and len(prompt) >= max_model_len:
-            # Not even the first reply fits: an empty episode, truncated.
-            context.add_prompt(prompt)
-            truncated = True
-        else:
-            context.add_prompt(prompt)
-            pending_prompt = len(prompt)
-            for turn_index in range(job.max_turns):
-                max_tokens = job.sampling.max_tokens
-                if max_model_len is not None:
-                    max_tokens = min(max_tokens, max_model_len - len(context.token_ids))
-                seed = None if job.sampling.seed is None else job.sampling.seed + turn_index
-                clock = time.perf_counter()
-                try:
-                    completion = await _generate(
-                        engine, context.token_ids, job, stops, max_tokens, seed, busy_timeout_s, timings
-                    )
-                except EngineContextLengthError:
-                    # The engine's own limit is below ours: the same outcome, a truncated episode.
-                    truncated = True
-                    break
-                finally:
-                    timings["generate_s"] += time.perf_counter() - clock
-                context.add_reply(completion)
-                response = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-                parsed, outcome = await play_reply(
-                    job,
-                    envs,
-                    instance_id,
-                    turn_index,
-                    response,
-                    action_format,
-                    max_actions,
-                    observation,
-                    timings,
+        truncated = not await backend.start(content, action_format, max_actions, available_actions)
+        for turn_index in range(0 if truncated else job.max_turns):
+            seed = None if job.sampling.seed is None else job.sampling.seed + turn_index
+            clock = time.perf_counter()
+            try:
+                reply = await backend.reply(job.sampling, seed)
+            except EngineContextLengthError:
+                truncated = True  # the engine's own limit is below ours: the same outcome
+                break
+            finally:
+                timings["generate_s"] += time.perf_counter() - clock
+            timings["busy_wait_s"] += reply.busy_wait_s
+            parsed, outcome = await play_reply(
+                job,
+                envs,
+                instance_id,
+                turn_index,
+                reply.text,
+                action_format,
+                max_actions,
+                observation,
+                timings,
+            )
+            success = outcome.success if outcome.success is not None else success
+            turns.append(
+                Turn(
+                    observation=observation,
+                    response=reply.text,
+                    actions=parsed.actions,
+                    reward=outcome.reward,
+                    done=outcome.done,
+                    valid=outcome.valid,
+                    policy_version=backend.policy_version,
+                    prompt_tokens=reply.prompt_tokens,
+                    response_tokens=reply.response_tokens,
                 )
-                reward, done, valid, next_observation = (
-                    outcome.reward,
-                    outcome.done,
-                    outcome.valid,
-                    outcome.observation,
-                )
-                success = outcome.success if outcome.success is not None else success
-                turns.append(
-                    Turn(
-                        observation=observation,
-                        response=response,
-                        actions=parsed.actions,
-                        reward=reward,
-                        done=done,
-                        valid=valid,
-                        policy_version=policy_version,
-                        prompt_tokens=pending_prompt,
-                        response_tokens=len(completion.token_ids),
-                    )
-                )
-                if done:
-                    break
-                if turn_index == job.max_turns - 1:
-                    truncated = True  # max_turns reached before the env finished
-                    break
-                delta = chat.next_user(completion.token_ids, next_observation)
-                if max_model_len is not None and len(context.token_ids) + len(delta) >= max_model_len:
-                    truncated = True  # the next observation leaves no room for a reply
-                    break
-                context.add_prompt(delta)
-                pending_prompt = len(delta)
-                observation = next_observation
+            )
+            if outcome.done:
+                break
+            observation = outcome.observation
+            room = backend.observe(observation)
+            if not room or turn_index == job.max_turns - 1:
+                truncated = True  # the context is full, or max_turns came before the env finished
+                break
     finally:
         clock = time.perf_counter()
         try:
@@ -316,44 +298,119 @@ async def run_episode(
     timings["total_s"] = time.perf_counter() - started
     return Trajectory.from_job(
         job,
-        policy_version=policy_version,
+        policy_version=backend.policy_version,
         turns=turns,
-        token_ids=context.token_ids,
-        loss_mask=context.loss_mask,
-        logprobs=context.logprobs,
         reward=sum(turn.reward for turn in turns),
         success=success,
         num_turns=len(turns),
         truncated=truncated,
         timings=timings,
         worker_id=worker_id,
+        **backend.trajectory_fields(),
     )
 
 
-async def _generate(
-    engine: EngineClient,
-    prompt: list[int],
+@dataclass
+class TokenContext:
+    """The backend of a trainable engine: the episode as one growing list of token ids.
+
+    ``token_ids``, ``loss_mask`` and ``logprobs`` stay aligned (see the module docstring).
+    """
+
+    engine: EngineClient
+    tokenizer: Any
+    policy_version: int
+    max_model_len: int | None = None
+    """The context limit in tokens (prompt and replies); None: only the engine's."""
+    stop_token_ids: Sequence[int] | None = None
+    """For the plain format; None computes them from the env's available actions."""
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    _stops: list[int] = field(default_factory=list)
+    _pending_prompt: int = 0
+    _last_reply: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.chat = chat_format(self.tokenizer)
+
+    async def start(
+        self, content: str, action_format: ActionFormat, max_actions: int, available_actions: AvailableActions
+    ) -> bool:
+        if action_format == "plain" and max_actions == 1:
+            # Stopping at a whole action: several actions per reply must not stop at the first.
+            if self.stop_token_ids is None:
+                self._stops = plain_stop_token_ids(self.tokenizer, await available_actions())
+            else:
+                self._stops = list(self.stop_token_ids)
+        prompt = self.chat.first_prompt(content)
+        self._add_prompt(prompt)
+        return self.max_model_len is None or len(prompt) < self.max_model_len
+
+    async def reply(self, sampling: SamplingParams, seed: int | None) -> Reply:
+        max_tokens = sampling.max_tokens
+        if self.max_model_len is not None:
+            max_tokens = min(max_tokens, self.max_model_len - len(self.token_ids))
+        completion = await self.engine.complete(
+            self.token_ids, sampling, self._stops, max_tokens=max_tokens, seed=seed
+        )
+        self.token_ids += completion.token_ids
+        self.loss_mask += [1] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        self._last_reply = completion.token_ids
+        return Reply(
+            text=self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+            prompt_tokens=self._pending_prompt,
+            response_tokens=len(completion.token_ids),
+            busy_wait_s=completion.busy_wait_s,
+        )
+
+    def observe(self, observation: str) -> bool:
+        self._add_prompt(self.chat.next_user(self._last_reply, observation))
+        return self.max_model_len is None or len(self.token_ids) < self.max_model_len
+
+    def trajectory_fields(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs}
+
+    def _add_prompt(self, ids: Sequence[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self._pending_prompt = len(ids)
+
+
+async def run_episode(
     job: RolloutJob,
-    stops: list[int],
-    max_tokens: int,
-    seed: int | None,
-    busy_timeout_s: float,
-    timings: dict[str, float],
-) -> Completion:
-    """One completion, backing off (exponential, jittered, or the server's Retry-After) on 429."""
-    deadline = time.monotonic() + busy_timeout_s
-    delay = 0.05
-    while True:
-        try:
-            return await engine.complete(prompt, job.sampling, stops, max_tokens=max_tokens, seed=seed)
-        except EngineBusyError as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            wait = min(left, exc.retry_after if exc.retry_after else delay * (0.5 + random.random() / 2))
-            delay = min(delay * 2, 2.0)
-            timings["busy_wait_s"] += wait
-            await asyncio.sleep(wait)
+    envs: EnvClient,
+    engine: EngineClient,
+    tokenizer: Any,
+    env_spec_instruction: str,
+    policy_version: int,
+    *,
+    max_model_len: int | None = None,
+    worker_id: str = DEFAULT_WORKER_ID,
+    default_action_format: ActionFormat = "plain",
+    stop_token_ids: Sequence[int] | None = None,
+) -> Trajectory:
+    """Play ``job`` on a trainable engine (:class:`TokenContext`) and return its trajectory.
+
+    Args:
+        job, envs, env_spec_instruction, worker_id, default_action_format: see :func:`play_episode`.
+        engine: an open client; ``tokenizer``: the served model's, chat template included.
+        policy_version: the weights the engine serves; every turn is tagged with it.
+        max_model_len: the context limit in tokens (prompt and replies); None: only the engine's.
+        stop_token_ids: for the plain format; None computes them from the env's available actions
+            (single-action turns only: several actions per reply must not stop at the first).
+    """
+    backend = TokenContext(engine, tokenizer, policy_version, max_model_len, stop_token_ids)
+    return await play_episode(
+        job,
+        envs,
+        backend,
+        env_spec_instruction,
+        worker_id=worker_id,
+        default_action_format=default_action_format,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +437,7 @@ async def play_reply(
 ) -> tuple[ParsedReply, ReplyOutcome]:
     """Parse a reply and carry its action out; a reply with no action costs the format penalty.
 
-    Shared by the token-level runner and the chat runner, so both score an episode the same way.
+    The one place a reply is scored, for every backend of :func:`play_episode`.
     """
     parsed = parse_reply(response, action_format, max_actions)
     action = env_action(parsed)

@@ -7,55 +7,57 @@ A hosted model (GPT-4o-class, or anything behind ``/v1/chat/completions``: vLLM,
 sees the episode as a chat: the first user message is the env instruction (plus the action
 format's instruction) and the first observation, each reply is an assistant message, each next
 observation a user message; an optional system prompt comes first. Replies are parsed with
-:mod:`rollout_server.actions` exactly as in training episodes, so scores are comparable.
+:mod:`rollout_server.actions` exactly as in training episodes, so scores are comparable: the
+episode is the one loop, :func:`rollout_server.episode.play_episode`, with :class:`ChatMessages`
+as its backend.
 
 Such an endpoint returns text, not the sampled token ids and their behaviour log-probs, so the
 trajectory is *text only* (``Trajectory.text_only``): ``token_ids``, ``loss_mask`` and
 ``logprobs`` are empty, each turn's ``prompt_tokens``/``response_tokens`` are the counts the API
 reported (``usage``), and ``Trajectory.trainable`` is False, which the trainer checks.
 
+Requests go through the ``openai`` package's async client (``openai.AsyncOpenAI``), which also
+owns the retries of this engine: 429, 5xx and connection failures are retried by it (``retries``
+times, ``Retry-After`` honoured), and nothing above it retries them again. Its errors are
+mapped to :mod:`services.engine_client`'s types, with the body read by the one error parser of
+:mod:`services.http_client`: a prompt past the context raises :class:`EngineContextLengthError`
+(the episode ends truncated, as a token-level one does), a 429 that outlasts the retries
+:class:`EngineBusyError`, a refused key :class:`OpenAIAuthError`, any other status
+:class:`EngineServerError`.
+
 The base URL follows the OpenAI SDK's convention: it ends with the API version
 (``https://api.openai.com/v1``, ``http://127.0.0.1:8000/v1``) and ``/chat/completions`` is added;
-a bare ``http://host:port`` gets ``/v1``. Errors reuse :mod:`services.engine_client`'s types: a
-prompt past the context raises :class:`EngineContextLengthError` (the episode ends truncated, as a
-token-level one does), 429 and 5xx are retried with backoff (``Retry-After`` honoured) before
-:class:`EngineBusyError`/:class:`EngineServerError`, a refused key raises :class:`OpenAIAuthError`.
+a bare ``http://host:port`` gets ``/v1``. An endpoint that checks no key (a local vLLM, our CPU
+engine) is sent ``EMPTY``, as vLLM's documentation does: the SDK refuses to run without a key.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import random
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-import orjson
+import openai
 
-from rollout_server.actions import format_instruction
-from rollout_server.episode import INSTRUCTION_SEPARATOR, EpisodeEnvError, play_reply
+from rollout_server.episode import AvailableActions, Reply, play_episode
 from services.engine_client import (
-    EngineBusyError,
     EngineConnectionError,
-    EngineContextLengthError,
     EngineProtocolError,
     EngineServerError,
     EngineTimeoutError,
+    engine_error,
 )
-from services.env_client import EnvClient, EnvClientError
-from services.rollout_protocol import ActionFormat, RolloutJob, SamplingParams, Trajectory, Turn
+from services.env_client import EnvClient
+from services.http_client import parse_error_body
+from services.rollout_protocol import ActionFormat, RolloutJob, SamplingParams, Trajectory
 
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_ACTION_FORMAT: ActionFormat = "answer_tags"
 """Chat models are asked for ``<think>…</think><answer>…</answer>`` unless a job says otherwise."""
-CONTEXT_ERROR_CODES = frozenset({"context_length_exceeded", "context_too_long"})
-NON_RETRYABLE_429_CODES = frozenset({"insufficient_quota"})
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-JSON_HEADERS = {"Content-Type": "application/json"}
+NO_API_KEY = "EMPTY"
+"""Sent to endpoints that check no key: the SDK needs one (vLLM's docs use the same)."""
 
 
 class MissingAPIKeyError(ValueError):
@@ -102,11 +104,11 @@ class OpenAIChatClient:
     Args:
         base_url: e.g. ``https://api.openai.com/v1`` (see :func:`normalise_base_url`).
         model: the ``model`` of every request, e.g. ``gpt-4o``.
-        api_key: sent as ``Authorization: Bearer <key>``; None sends none.
+        api_key: sent as ``Authorization: Bearer <key>``; None sends :data:`NO_API_KEY`.
         timeout: seconds for one request.
-        retries: how many more times a request answered 429/5xx, or that could not connect, is tried.
-        backoff_s, max_backoff_s: first wait between tries, doubling up to the maximum, jittered;
-            a ``Retry-After`` header replaces it (capped at the maximum).
+        connect_timeout: seconds to open a connection.
+        retries: how many more times the SDK tries a request answered 429/5xx or that could not
+            connect (its backoff, or the server's ``Retry-After``).
         max_tokens_field: ``max_tokens`` (accepted everywhere) or ``max_completion_tokens``
             (required by OpenAI's reasoning models).
     """
@@ -120,8 +122,6 @@ class OpenAIChatClient:
         timeout: float = 300.0,
         connect_timeout: float = 10.0,
         retries: int = 5,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
         max_tokens_field: str = "max_tokens",
     ) -> None:
         if not model:
@@ -132,14 +132,12 @@ class OpenAIChatClient:
             raise ValueError("max_tokens_field must be 'max_tokens' or 'max_completion_tokens'")
         self.base_url = normalise_base_url(base_url)
         self.model = model
+        self.api_key = api_key or NO_API_KEY
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.max_tokens_field = max_tokens_field
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
+        self._client: openai.AsyncOpenAI | None = None
 
     async def __aenter__(self) -> OpenAIChatClient:
         await self.open()
@@ -149,23 +147,24 @@ class OpenAIChatClient:
         await self.aclose()
 
     async def open(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self.connect_timeout),
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
-                cookie_jar=aiohttp.DummyCookieJar(),
+        if self._client is None:
+            self._client = openai.AsyncOpenAI(
+                api_key=self.api_key,
+                base_url=self.base_url,
+                timeout=openai.Timeout(self.timeout, connect=self.connect_timeout),
+                max_retries=self.retries,
             )
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
 
     def chat_body(
         self, messages: list[dict[str, str]], sampling: SamplingParams, *, seed: int | None = None
     ) -> dict[str, Any]:
-        """The request body: OpenAI's standard fields only (``top_k`` only when set: vLLM knows it)."""
+        """The arguments of ``chat.completions.create``: OpenAI's standard fields, plus ``top_k``
+        in the body only when set (vLLM and our engine know it; OpenAI does not)."""
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -177,74 +176,84 @@ class OpenAIChatClient:
         if seed is not None:
             body["seed"] = seed
         if sampling.top_k is not None:
-            body["top_k"] = sampling.top_k
+            body["extra_body"] = {"top_k": sampling.top_k}
         return body
 
     async def chat(
         self, messages: list[dict[str, str]], sampling: SamplingParams, *, seed: int | None = None
     ) -> ChatReply:
         """One assistant reply to ``messages``."""
-        payload = await self._request(
-            "POST", "/chat/completions", self.chat_body(messages, sampling, seed=seed)
-        )
-        try:
-            choice = payload["choices"][0]
-            message = choice.get("message") or {}
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise EngineProtocolError(
-                f"{self.base_url}: chat reply without choices[0]: {str(payload)[:300]}"
-            ) from exc
-        usage = payload.get("usage") or {}
+        body = self.chat_body(messages, sampling, seed=seed)
+        async with self._errors("POST", "/chat/completions") as client:
+            response = await client.chat.completions.create(**body)
+        if not response.choices:
+            raise EngineProtocolError(f"{self.base_url}: chat reply without choices")
+        choice = response.choices[0]
+        usage = response.usage
         return ChatReply(
-            content=message.get("content") or "",  # null for a refusal or a tool call
-            finish_reason=choice.get("finish_reason"),
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
+            content=choice.message.content or "",  # null for a refusal or a tool call
+            finish_reason=choice.finish_reason,
+            prompt_tokens=usage.prompt_tokens if usage else 0,
+            completion_tokens=usage.completion_tokens if usage else 0,
         )
 
     async def models(self) -> list[str]:
         """``GET /models``: the ids the endpoint serves (also a check of reachability and key)."""
-        payload = await self._request("GET", "/models")
-        return [str(card.get("id")) for card in payload.get("data", []) if isinstance(card, dict)]
+        async with self._errors("GET", "/models") as client:
+            page = await client.models.list()
+        return [card.id for card in page.data]
 
-    async def _request(self, method: str, path: str, body: Any = None) -> Any:
-        session = self._session
-        if session is None:
+    @contextlib.asynccontextmanager
+    async def _errors(self, method: str, path: str) -> Any:
+        """The open SDK client, its errors turned into the engine client's typed ones."""
+        if self._client is None:
             raise RuntimeError("OpenAIChatClient is not open: use 'async with OpenAIChatClient(...)'")
         url = self.base_url + path
-        data = None if body is None else orjson.dumps(body)
-        headers = None if body is None else JSON_HEADERS
-        attempt = 0
-        while True:
-            retry_after: float | None = None
-            try:
-                async with session.request(method, url, data=data, headers=headers) as response:
-                    status, payload = response.status, await response.read()
-                    retry_after = _seconds(response.headers.get("Retry-After"))
-                if status < 400:
-                    break
-                error = _server_error(status, payload, method, url, retry_after)
-                if status not in RETRY_STATUSES or error.code in NON_RETRYABLE_429_CODES:
-                    raise error
-                reason: Exception = error
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                reason = EngineConnectionError(f"cannot connect to {self.base_url}: {_describe(exc)}")
-            except TimeoutError as exc:
-                raise EngineTimeoutError(f"{method} {url}: no answer within {self.timeout} s") from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                # A chat completion has no side effect, so a broken connection is retried too.
-                reason = EngineConnectionError(f"{method} {url}: connection broke: {_describe(exc)}")
-            if attempt >= self.retries:
-                if isinstance(reason, EngineConnectionError):
-                    raise EngineConnectionError(f"{reason} (gave up after {attempt + 1} tries)")
-                raise reason
-            delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
-            await asyncio.sleep(min(self.max_backoff_s, retry_after) if retry_after else delay)
-            attempt += 1
         try:
-            return orjson.loads(payload) if payload else {}
-        except orjson.JSONDecodeError as exc:
-            raise EngineProtocolError(f"{method} {url}: the answer is not JSON: {payload[:200]!r}") from exc
+            yield self._client
+        except openai.APIStatusError as exc:
+            response = exc.response
+            if response.status_code in (401, 403):
+                code, message = parse_error_body(response.status_code, response.content)
+                raise OpenAIAuthError(response.status_code, code, message, method, url) from exc
+            raise engine_error(response.status_code, response.content, method, url) from exc
+        except openai.APITimeoutError as exc:
+            raise EngineTimeoutError(f"{method} {url}: no answer within {self.timeout} s") from exc
+        except openai.APIConnectionError as exc:
+            raise EngineConnectionError(
+                f"{method} {url}: cannot connect (after {self.retries + 1} tries): {exc}"
+            ) from exc
+
+
+@dataclass
+class ChatMessages:
+    """The :class:`~rollout_server.episode.EpisodeBackend` of a hosted chat model: the episode as
+    chat messages; the trajectory is text only."""
+
+    client: OpenAIChatClient
+    policy_version: int = 0
+    system_prompt: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    async def start(
+        self, content: str, action_format: ActionFormat, max_actions: int, available_actions: AvailableActions
+    ) -> bool:
+        if self.system_prompt:
+            self.messages.append({"role": "system", "content": self.system_prompt})
+        self.messages.append({"role": "user", "content": content})
+        return True  # only the endpoint knows its context: a refusal ends the episode truncated
+
+    async def reply(self, sampling: SamplingParams, seed: int | None) -> Reply:
+        answer = await self.client.chat(self.messages, sampling, seed=seed)
+        self.messages.append({"role": "assistant", "content": answer.content})
+        return Reply(answer.content, answer.prompt_tokens, answer.completion_tokens)
+
+    def observe(self, observation: str) -> bool:
+        self.messages.append({"role": "user", "content": observation})
+        return True
+
+    def trajectory_fields(self) -> dict[str, Any]:
+        return {"text_only": True}
 
 
 async def run_chat_episode(
@@ -259,139 +268,17 @@ async def run_chat_episode(
 ) -> Trajectory:
     """Play ``job`` against a chat endpoint and return its text-only trajectory.
 
-    The same episode as :func:`rollout_server.episode.run_episode` (instruction, action parsing,
-    format penalty, ``max_turns``, ``seed + turn`` per turn, the env instance always closed; env
-    failures raise :class:`EpisodeEnvError`), kept as chat messages instead of token ids. A
-    context-length refusal ends the episode with ``truncated=True``.
+    The same loop as training episodes (:func:`rollout_server.episode.play_episode`: instruction,
+    action parsing, format penalty, ``max_turns``, ``seed + turn`` per turn, the env instance
+    always closed, env failures as :class:`~rollout_server.episode.EpisodeEnvError`), kept as
+    chat messages instead of token ids. A context-length refusal ends the episode truncated.
     """
-    started = time.perf_counter()
-    timings = {"env_s": 0.0, "generate_s": 0.0}
-    action_format: ActionFormat = job.action_format or default_action_format
-    max_actions = int((job.options or {}).get("max_actions_per_turn", 1))
-    instruction = env_spec_instruction
-    extra = format_instruction(action_format, max_actions)
-    if extra:
-        instruction = f"{instruction}{INSTRUCTION_SEPARATOR}{extra}" if instruction else extra
-
-    clock = time.perf_counter()
-    try:
-        created = await envs.create(job.env, seed=job.seed, options=job.options)
-    except EnvClientError as exc:
-        raise EpisodeEnvError(f"{job.env}: create failed: {exc}", stage="create") from exc
-    finally:
-        timings["env_s"] += time.perf_counter() - clock
-    instance_id = created.instance_id
-
-    messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    turns: list[Turn] = []
-    truncated = False
-    success = False
-    observation = created.observation
-    content = f"{instruction}{INSTRUCTION_SEPARATOR}{observation}" if instruction else observation
-    messages.append({"role": "user", "content": content})
-    try:
-        for turn_index in range(job.max_turns):
-            seed = None if job.sampling.seed is None else job.sampling.seed + turn_index
-            clock = time.perf_counter()
-            try:
-                reply = await client.chat(messages, job.sampling, seed=seed)
-            except EngineContextLengthError:
-                truncated = True
-                break
-            finally:
-                timings["generate_s"] += time.perf_counter() - clock
-            messages.append({"role": "assistant", "content": reply.content})
-            parsed, outcome = await play_reply(
-                job,
-                envs,
-                instance_id,
-                turn_index,
-                reply.content,
-                action_format,
-                max_actions,
-                observation,
-                timings,
-            )
-            reward, done, valid, next_observation = (
-                outcome.reward,
-                outcome.done,
-                outcome.valid,
-                outcome.observation,
-            )
-            success = outcome.success if outcome.success is not None else success
-            turns.append(
-                Turn(
-                    observation=observation,
-                    response=reply.content,
-                    actions=parsed.actions,
-                    reward=reward,
-                    done=done,
-                    valid=valid,
-                    policy_version=job.policy_version,
-                    prompt_tokens=reply.prompt_tokens,
-                    response_tokens=reply.completion_tokens,
-                )
-            )
-            if done:
-                break
-            if turn_index == job.max_turns - 1:
-                truncated = True
-                break
-            messages.append({"role": "user", "content": next_observation})
-            observation = next_observation
-    finally:
-        clock = time.perf_counter()
-        with contextlib.suppress(EnvClientError):  # the server's TTL reclaims it
-            await envs.close(instance_id)
-        timings["env_s"] += time.perf_counter() - clock
-
-    timings["total_s"] = time.perf_counter() - started
-    return Trajectory.from_job(
+    backend = ChatMessages(client, job.policy_version, system_prompt)
+    return await play_episode(
         job,
-        turns=turns,
-        reward=sum(turn.reward for turn in turns),
-        success=success,
-        num_turns=len(turns),
-        truncated=truncated,
-        timings=timings,
+        envs,
+        backend,
+        env_spec_instruction,
         worker_id=worker_id,
-        text_only=True,
+        default_action_format=default_action_format,
     )
-
-
-def _seconds(value: str | None) -> float | None:
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-def _server_error(
-    status: int, payload: bytes, method: str, url: str, retry_after: float | None
-) -> EngineServerError:
-    """OpenAI's ``{"error": {"message", "type", "code"}}``, vLLM's and ours alike; else the text."""
-    code, message = "http_error", ""
-    try:
-        body = orjson.loads(payload)
-        error = body.get("error", body) if isinstance(body, dict) else {}
-        if isinstance(error, dict):
-            code = str(error.get("code") or error.get("type") or code)
-            message = str(error.get("message") or "")
-        elif isinstance(error, str):
-            message = error
-    except orjson.JSONDecodeError:
-        pass
-    if not message:
-        message = payload[:500].decode("utf-8", errors="replace").strip() or f"HTTP {status}"
-    kind = EngineServerError
-    if status in (401, 403):
-        kind = OpenAIAuthError
-    elif status == 429:
-        kind = EngineBusyError
-    elif status == 400 and (code in CONTEXT_ERROR_CODES or "maximum context length" in message):
-        kind = EngineContextLengthError
-    return kind(status, code, message, method, url, retry_after)

@@ -9,14 +9,16 @@ Redis comes from ``REDIS_URL``; every flag also reads a ``STARGYM_ROLLOUT_*`` va
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
-from rollout_server.settings import WorkerSettings, parse_engine_urls, parse_env_urls
+from rollout_server.settings import WorkerSettings, parse_engine_urls
+from services.contracts import parse_family_urls
+from services.serving import run_service, settings_from_flags
 
 
 def rollout_command(
@@ -38,7 +40,10 @@ def rollout_command(
     ] = None,
     tokenizer: Annotated[
         str | None,
-        typer.Option(help="Tokenizer and chat template directory of the policy [STARGYM_ROLLOUT_TOKENIZER]."),
+        typer.Option(
+            help="Tokenizer and chat template directory of the policy; default: the model directory "
+            "the engine reports [STARGYM_ROLLOUT_TOKENIZER]."
+        ),
     ] = None,
     host: Annotated[
         str | None, typer.Option(help="Listen address [STARGYM_ROLLOUT_HOST, STARGYM_HOST].")
@@ -70,40 +75,51 @@ def rollout_command(
         "visibility_timeout_s": visibility_timeout_s,
         "shutdown_grace_s": shutdown_grace_s,
     }
-    try:
-        settings = WorkerSettings(**{key: value for key, value in overrides.items() if value is not None})
-    except ValidationError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    if not Path(settings.tokenizer).is_dir():
-        raise typer.BadParameter(f"{settings.tokenizer!r} is not a directory", param_hint="--tokenizer")
+    settings = settings_from_flags(WorkerSettings, overrides)
+    tokenizer_dir = settings.tokenizer or asyncio.run(_engine_model_dir(settings))
+    if not Path(tokenizer_dir).is_dir():
+        raise typer.BadParameter(f"{tokenizer_dir!r} is not a directory", param_hint="--tokenizer")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # transformers and uvicorn load here: every `stargym` command imports this module.
-    import uvicorn
+    # transformers loads here: every `stargym` command imports this module.
     from transformers import AutoTokenizer
 
     from rollout_server.app import build_app
     from rollout_server.episode import chat_format
 
     try:
-        loaded = AutoTokenizer.from_pretrained(settings.tokenizer)
+        loaded = AutoTokenizer.from_pretrained(tokenizer_dir)
         chat_format(loaded)  # a chat template that cannot be extended turn by turn fails here, once
     except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
-        raise typer.BadParameter(f"cannot use the tokenizer in {settings.tokenizer!r}: {exc}") from None
-    uvicorn.run(
-        build_app(settings, loaded),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-    )
+        raise typer.BadParameter(f"cannot use the tokenizer in {tokenizer_dir!r}: {exc}") from None
+    run_service(build_app(settings, loaded), settings)
 
 
 def _env_urls(values: list[str]) -> dict[str, str]:
     try:
-        return parse_env_urls(",".join(values))
+        return parse_family_urls(values)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--env") from None
+
+
+async def _engine_model_dir(settings: WorkerSettings) -> str:
+    """The local model directory the engines report (ours and vLLM's ``/v1/models`` ``root``)."""
+    from services.engine_client import EngineClient, EngineClientError
+
+    token = settings.engine_api_token.get_secret_value() if settings.engine_api_token else None
+    try:
+        async with EngineClient(settings.engine_urls, token=token, timeout=30.0) as engine:
+            found = await engine.served_model_dir()
+    except EngineClientError as exc:
+        raise typer.BadParameter(
+            f"pass --tokenizer DIR: the engine could not be asked for its model directory: {exc}",
+            param_hint="--tokenizer",
+        ) from None
+    if found is None:
+        raise typer.BadParameter(
+            f"pass --tokenizer DIR: the engine at {', '.join(settings.engine_urls)} does not report a "
+            "local model directory with a tokenizer in it",
+            param_hint="--tokenizer",
+        )
+    return str(found)

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from services.contracts import ROLLOUT_PORT, parse_family_urls
 from services.settings import ONE_MIB, ServiceSettings
 
 ENV_PREFIX = "STARGYM_ROLLOUT_"
@@ -34,40 +35,13 @@ def parse_engine_urls(value: str | list[str]) -> list[str]:
     return urls
 
 
-def parse_env_urls(value: str | list[str] | dict[str, str]) -> dict[str, str]:
-    """``'game=http://127.0.0.1:8101,search=http://…'`` (or ``['game=…', …]``) → family → URL."""
-    if isinstance(value, dict):
-        pairs = list(value.items())
-    else:
-        items = value.split(",") if isinstance(value, str) else value
-        pairs = []
-        for item in (item.strip() for item in items):
-            if not item:
-                continue
-            family, sep, url = item.partition("=")
-            if not sep or not family.strip() or not url.strip():
-                raise ValueError(f"env server {item!r} must be FAMILY=URL, e.g. game=http://127.0.0.1:8101")
-            pairs.append((family, url))
-    urls: dict[str, str] = {}
-    for family, url in pairs:
-        family = family.strip()
-        if "/" in family:
-            raise ValueError(f"{family!r} is an env id; name the family (the part before '/')")
-        if family in urls:
-            raise ValueError(f"env family {family!r} is given twice")
-        urls[family] = url.strip().rstrip("/")
-    if not urls:
-        raise ValueError("at least one env server is needed")
-    return urls
-
-
 class WorkerSettings(ServiceSettings):
     """The rollout worker: where jobs, engines and env servers are, and how hard to push them."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, populate_by_name=True)
 
     host: str = Field(default="127.0.0.1", validation_alias=_shared("host"))
-    port: int = Field(default=8200, validation_alias=_shared("port"))
+    port: int = Field(default=ROLLOUT_PORT, validation_alias=_shared("port"))
     api_token: SecretStr | None = Field(
         default=None,
         validation_alias=_shared("api_token"),
@@ -87,9 +61,10 @@ class WorkerSettings(ServiceSettings):
         default_factory=lambda: {"game": "http://127.0.0.1:8101"},
         description="Env server of each env family: a job for 'game/frozenlake' goes to 'game'.",
     )
-    tokenizer: str = Field(
-        default="models/tiny",
-        description="Directory of the tokenizer and chat template of the served policy.",
+    tokenizer: str | None = Field(
+        default=None,
+        description="Directory of the tokenizer and chat template of the served policy; "
+        "None: the model directory the engine reports (GET /v1/models 'root').",
     )
     concurrency: int = Field(default=64, gt=0)
     consumer: str | None = Field(
@@ -120,10 +95,10 @@ class WorkerSettings(ServiceSettings):
     )
     engine_backoff_s: float = Field(default=0.2, gt=0)
     engine_max_backoff_s: float = Field(default=5.0, gt=0)
-    engine_overload_retries: int = Field(
-        default=100,
+    engine_busy_timeout_s: float = Field(
+        default=120.0,
         ge=0,
-        description="Backed-off retries of one generation the engine refused with 429.",
+        description="How long the engine client backs off and retries a generation refused with 429.",
     )
     engine_retries: int = Field(
         default=2,
@@ -164,7 +139,7 @@ class WorkerSettings(ServiceSettings):
     @field_validator("env_urls", mode="before")
     @classmethod
     def _env_urls(cls, value: Any) -> dict[str, str]:
-        return parse_env_urls(value)
+        return parse_family_urls(value)
 
     @model_validator(mode="after")
     def _touch_before_timeout(self) -> WorkerSettings:

@@ -1,6 +1,6 @@
 """The rollout worker: turns jobs from ``stargym:jobs`` into trajectories on ``stargym:trajectories``.
 
-One asyncio loop does everything (DESIGN.md, "Delivery", "Weights"):
+One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
 
 * **consume**: read jobs in the ``rollout`` group under a consumer name unique to this process,
   never more than ``concurrency`` episodes at once;
@@ -18,7 +18,8 @@ One asyncio loop does everything (DESIGN.md, "Delivery", "Weights"):
   under one engine version, so every turn is tagged with the version it was sampled under;
 * **failures**: an env error reruns the episode once (``env_retries``), then the trajectory is
   published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
-  request retried. Redis errors are logged and backed off; the loop never dies of them.
+  request retried by the engine client (for ``engine_busy_timeout_s``; counted as
+  ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them.
 * **shutdown**: :meth:`RolloutWorker.shutdown` (SIGTERM, through uvicorn's lifespan) stops taking
   jobs, lets in-flight episodes finish for ``shutdown_grace_s`` and abandons the rest, which stay
   pending and are reclaimed by another worker.
@@ -46,8 +47,9 @@ from redis.exceptions import RedisError
 
 from rollout_server.episode import EpisodeEnvError, run_episode
 from rollout_server.settings import WorkerSettings
-from services.engine_client import EngineBusyError, EngineClient, EngineClientError
+from services.engine_client import EngineClient, EngineClientError
 from services.env_client import EnvClient, EnvClientError
+from services.http_client import Backoff
 from services.queue import (
     Delivery,
     StreamQueue,
@@ -164,23 +166,6 @@ class EngineSlot:
     version: int | None = None
     max_model_len: int | None = None
     gate: ReloadGate = field(default_factory=ReloadGate)
-
-
-class Backoff:
-    """Exponential backoff with jitter; :meth:`reset` after a success."""
-
-    def __init__(self, base_s: float, max_s: float) -> None:
-        self.base_s = base_s
-        self.max_s = max_s
-        self.attempt = 0
-
-    def next_delay(self) -> float:
-        delay = min(self.max_s, self.base_s * 2**self.attempt)
-        self.attempt += 1
-        return delay * (0.5 + random.random() / 2)
-
-    def reset(self) -> None:
-        self.attempt = 0
 
 
 class _Metrics:
@@ -300,7 +285,14 @@ class RolloutWorker:
         engine_token = settings.engine_api_token.get_secret_value() if settings.engine_api_token else None
         for url in settings.engine_urls:
             # One client per server: each has its own version and reload gate.
-            client = EngineClient([url], token=engine_token)
+            client = EngineClient(
+                [url],
+                token=engine_token,
+                backoff_s=settings.engine_backoff_s,
+                max_backoff_s=settings.engine_max_backoff_s,
+                busy_timeout_s=settings.engine_busy_timeout_s,
+                on_busy=self._engine_busy,
+            )
             await client.open()
             self._slots.append(EngineSlot(url=url, client=client))
 
@@ -530,7 +522,7 @@ class RolloutWorker:
             return await runner(
                 job,
                 envs,
-                OverloadRetry(slot.client, self),
+                slot.client,
                 self.tokenizer,
                 instruction,
                 slot.version,
@@ -645,6 +637,11 @@ class RolloutWorker:
     def _count(self, name: str, n: int = 1) -> None:
         self._counts[name] += n
 
+    def _engine_busy(self) -> None:
+        """An engine answered 429 and its client is backing off (the only place that retries it)."""
+        self._count("engine_backoffs")
+        self._metrics.engine_backoffs.inc()
+
     def _redis_error(self, what: str, exc: BaseException) -> None:
         self._count("redis_errors")
         self._metrics.redis_errors.inc()
@@ -678,35 +675,3 @@ class RolloutWorker:
             uptime_s=now - self._started,
             **self._counts,
         )
-
-
-class OverloadRetry:
-    """The engine client as the episode sees it, with 429s backed off and retried.
-
-    Only the generation call is wrapped; everything else passes through untouched.
-    """
-
-    def __init__(self, client: Any, worker: RolloutWorker) -> None:
-        self._client = client
-        self._worker = worker
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    async def complete(self, *args: Any, **kwargs: Any) -> Any:
-        worker = self._worker
-        settings = worker.settings
-        backoff = Backoff(settings.engine_backoff_s, settings.engine_max_backoff_s)
-        while True:
-            try:
-                return await self._client.complete(*args, **kwargs)
-            except EngineBusyError as exc:
-                if backoff.attempt >= settings.engine_overload_retries:
-                    raise
-                delay = backoff.next_delay()
-                if exc.retry_after is not None:
-                    delay = max(delay, min(exc.retry_after, settings.engine_max_backoff_s))
-                worker._count("engine_backoffs")
-                worker._metrics.engine_backoffs.inc()
-                logger.debug("engine busy (429); retrying in %.2f s", delay)
-                await asyncio.sleep(delay)

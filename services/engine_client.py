@@ -4,15 +4,16 @@
         completion = await engine.complete(prompt_ids, job.sampling, stop_token_ids=[508, 556])
         completion.token_ids, completion.logprobs, completion.text, completion.finish_reason
 
-One client drives vLLM and our CPU engine alike (DESIGN.md, "Engine protocol"): it sends only the
+One client drives vLLM and our CPU engine alike (docs/architecture.md, "Engine protocol"): it sends only the
 fields both declare (our engine answers 422 to any other) and reads vLLM's response shape. It can
 hold several servers; each completion goes to the one with the fewest requests in flight from
 this client (``balance="least_inflight"``, ties in turn) or simply to the next in turn
 (``balance="round_robin"``). Admin calls go to every server unless ``url`` names one.
 
-Failures are typed, as in :mod:`services.env_client`. 429 (the engine is at its sequence limit)
-raises :class:`EngineBusyError` so that the caller backs off; a prompt too long for the server's
-context raises :class:`EngineContextLengthError`; any other error status raises
+Built on :mod:`services.http_client`. 429 (the engine is at its sequence limit) is backed off and
+retried there, for up to ``busy_timeout_s``, and only there: the episode loop and the worker never
+retry it again; past that deadline it raises :class:`EngineBusyError`. A prompt too long for the
+server's context raises :class:`EngineContextLengthError`; any other error status raises
 :class:`EngineServerError`. A connection that could not be established is retried with backoff
 (nothing was sent); a request that may have reached the server is not re-sent.
 """
@@ -21,17 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar, Unpack
 
-import aiohttp
-import orjson
+from pydantic import BaseModel, ValidationError
 
+from services.engine_protocol import (
+    CollectiveRpcRequest,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    WeightInfo,
+    WeightVersionUpdate,
+)
+from services.http_client import Answer, ClientErrors, HttpClient, ServiceClient, Transport, parse_error_body
 from services.rollout_protocol import SamplingParams
 
-JSON_HEADERS = {"Content-Type": "application/json"}
+M = TypeVar("M", bound=BaseModel)
+
 BALANCES = ("least_inflight", "round_robin")
 
 
@@ -95,9 +106,11 @@ class Completion:
     stop_reason: int | str | None = None
     url: str = field(default="", compare=False)
     """The server that sampled it."""
+    busy_wait_s: float = field(default=0.0, compare=False)
+    """Seconds spent waiting out the server's 429s before it took the request."""
 
 
-class EngineClient:
+class EngineClient(ServiceClient):
     """An async client of one or more inference servers, for use as ``async with EngineClient(urls)``.
 
     Args:
@@ -106,11 +119,11 @@ class EngineClient:
             uses the model it serves).
         token: sent as ``Authorization: Bearer <token>``.
         timeout: seconds for a whole request (a completion waits for its whole reply).
-        connect_timeout: seconds to open a TCP connection; one that takes longer is retried.
-        retries: how many more times a request that could not connect is tried.
-        backoff_s, max_backoff_s: the first retry's wait, doubling up to the maximum, jittered.
         balance: ``least_inflight`` or ``round_robin`` (see the module docstring).
-        keepalive_s: how long an idle connection stays pooled (under uvicorn's 5 s keep-alive).
+        busy_timeout_s: how long a request the engine refuses with 429 keeps being retried.
+        on_busy: called for each 429 waited out (the worker counts them).
+        transport: ``connect_timeout``, ``retries``, ``backoff_s`` (also the 429 backoff),
+            ``max_backoff_s``, ``keepalive_s`` (see :class:`services.http_client.HttpClient`).
     """
 
     def __init__(
@@ -120,12 +133,10 @@ class EngineClient:
         model: str | None = None,
         token: str | None = None,
         timeout: float = 600.0,
-        connect_timeout: float = 5.0,
-        retries: int = 3,
-        backoff_s: float = 0.1,
-        max_backoff_s: float = 2.0,
         balance: str = "least_inflight",
-        keepalive_s: float = 4.0,
+        busy_timeout_s: float = 60.0,
+        on_busy: Callable[[], None] | None = None,
+        **transport: Unpack[Transport],
     ) -> None:
         urls = base_urls.split(",") if isinstance(base_urls, str) else list(base_urls)
         self.base_urls = [url.strip().rstrip("/") for url in urls if url.strip()]
@@ -135,47 +146,19 @@ class EngineClient:
             raise ValueError(f"duplicate engine URLs: {self.base_urls}")
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-        if retries < 0:
-            raise ValueError("retries must be >= 0")
         self.model = model
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.balance = balance
-        self.keepalive_s = keepalive_s
         self.inflight: dict[str, int] = dict.fromkeys(self.base_urls, 0)
         """Completions in flight from this client, per server."""
         self._turn = itertools.count()
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> EngineClient:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def open(self) -> None:
-        """Create the connection pool (done by ``async with``); must run inside the event loop."""
-        if self._session is not None:
-            return
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self.keepalive_s)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            headers=self._headers,
-            timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self.connect_timeout),
-            cookie_jar=aiohttp.DummyCookieJar(),
+        self.http = HttpClient(
+            ClientErrors(EngineConnectionError, EngineTimeoutError),
+            token=token,
+            timeout=timeout,
+            busy_timeout_s=busy_timeout_s,
+            on_busy=on_busy,
+            **transport,
         )
-        if hasattr(self._session, "_retry_connection"):  # retrying is this client's decision
-            self._session._retry_connection = False
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
 
     # -- generation -------------------------------------------------------------------------
 
@@ -188,7 +171,7 @@ class EngineClient:
         order = [self.base_urls[(turn + offset) % count] for offset in range(count)]
         return min(order, key=self.inflight.__getitem__)
 
-    def completion_body(
+    def completion_request(
         self,
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
@@ -196,9 +179,10 @@ class EngineClient:
         *,
         max_tokens: int | None = None,
         seed: int | None = None,
-    ) -> dict[str, Any]:
-        """The ``/v1/completions`` body: only fields that vLLM and our engine both declare."""
-        body: dict[str, Any] = {
+    ) -> CompletionRequest:
+        """The ``/v1/completions`` request. Only the fields set here are sent (``exclude_unset``):
+        ones that vLLM and our engine both declare, so neither ignores nor refuses one."""
+        fields: dict[str, Any] = {
             "prompt": list(prompt_ids),
             "max_tokens": sampling.max_tokens if max_tokens is None else max_tokens,
             "temperature": sampling.temperature,
@@ -207,15 +191,15 @@ class EngineClient:
             "return_token_ids": True,
         }
         if self.model is not None:
-            body["model"] = self.model
+            fields["model"] = self.model
         if sampling.top_k is not None:
-            body["top_k"] = sampling.top_k
+            fields["top_k"] = sampling.top_k
         seed = sampling.seed if seed is None else seed
         if seed is not None:
-            body["seed"] = seed
+            fields["seed"] = seed
         if stop_token_ids:
-            body["stop_token_ids"] = sorted(set(stop_token_ids))
-        return body
+            fields["stop_token_ids"] = sorted(set(stop_token_ids))
+        return CompletionRequest(**fields)
 
     async def complete(
         self,
@@ -232,14 +216,17 @@ class EngineClient:
         ``max_tokens`` and ``seed`` override ``sampling``'s (a turn's room left in the context, a
         turn's own seed); ``url`` picks the server instead of the balancer.
         """
-        body = self.completion_body(prompt_ids, sampling, stop_token_ids, max_tokens=max_tokens, seed=seed)
+        request = self.completion_request(
+            prompt_ids, sampling, stop_token_ids, max_tokens=max_tokens, seed=seed
+        )
+        body = request.model_dump(exclude_unset=True)
         target = self.pick() if url is None else url.rstrip("/")
         self.inflight[target] = self.inflight.get(target, 0) + 1
         try:
-            payload = await self._request("POST", target, "/v1/completions", body)
+            answer = await self._answer("POST", target, "/v1/completions", body)
         finally:
             self.inflight[target] -= 1
-        completion = _completion(payload, target)
+        completion = _completion(answer, target)
         if completion.finish_reason == "abort":
             raise EngineAbortedError(
                 f"{target} aborted the completion after {len(completion.token_ids)} tokens"
@@ -252,20 +239,34 @@ class EngineClient:
         """``GET /health`` of each server, by URL (vLLM answers an empty body: ``{}``)."""
         return await self._each("GET", "/health", None, url)
 
-    async def models(self, url: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    async def models(self, url: str | None = None) -> dict[str, list[ModelCard]]:
         """``GET /v1/models``'s ``data`` of each server, by URL."""
         answers = await self._each("GET", "/v1/models", None, url)
-        return {server: answer["data"] for server, answer in answers.items()}
+        return {server: _parse(ModelList, answer, server).data for server, answer in answers.items()}
 
     async def max_model_len(self) -> int | None:
         """The smallest ``max_model_len`` the servers report (None if none reports one)."""
         lengths = [
-            card["max_model_len"]
+            card.max_model_len
             for cards in (await self.models()).values()
             for card in cards
-            if card.get("max_model_len")
+            if card.max_model_len
         ]
         return min(lengths) if lengths else None
+
+    async def served_model_dir(self) -> Path | None:
+        """The local directory of the model the servers serve, when one holds its tokenizer.
+
+        Ours and vLLM's ``/v1/models`` report the directory a server loaded as ``root`` (vLLM also
+        as ``id`` unless ``--served-model-name`` renames it). None when no card names a directory
+        on this machine with a tokenizer in it (a hub name, another machine's path).
+        """
+        for cards in (await self.models()).values():
+            for card in cards:
+                for value in (card.root, card.id):
+                    if value and (Path(value) / "tokenizer_config.json").is_file():
+                        return Path(value)
+        return None
 
     async def pause(self, mode: str = "wait", url: str | None = None) -> None:
         """``POST /pause?mode=``: ``wait`` returns once the requests in flight have finished."""
@@ -277,18 +278,22 @@ class EngineClient:
     async def reload_weights(self, weights_path: str | None = None, url: str | None = None) -> None:
         """``collective_rpc reload_weights``; None reloads the directory the server started with."""
         kwargs = {} if weights_path is None else {"weights_path": str(weights_path)}
-        await self._each("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": kwargs}, url)
+        request = CollectiveRpcRequest(method="reload_weights", kwargs=kwargs)
+        await self._each("POST", "/collective_rpc", request.model_dump(exclude_unset=True), url)
 
     async def reset_prefix_cache(self, url: str | None = None) -> None:
         await self._each("POST", "/reset_prefix_cache", None, url)
 
     async def update_weight_version(self, version: int | str, url: str | None = None) -> None:
-        await self._each("POST", "/update_weight_version", {"new_version": str(version)}, url)
+        request = WeightVersionUpdate(new_version=str(version))
+        await self._each("POST", "/update_weight_version", request.model_dump(), url)
 
     async def weight_info(self, url: str | None = None) -> dict[str, str]:
         """The weight version each server reports, by URL."""
         answers = await self._each("GET", "/weight_info", None, url)
-        return {server: str(answer["weight_version"]) for server, answer in answers.items()}
+        return {
+            server: _parse(WeightInfo, answer, server).weight_version for server, answer in answers.items()
+        }
 
     async def load_policy(self, weights_path: str, version: int | str, url: str | None = None) -> None:
         """Serve new weights: pause (wait) → reload → tag the version → resume, on every server.
@@ -311,70 +316,39 @@ class EngineClient:
         return dict(zip(servers, answers, strict=True))
 
     async def _request(self, method: str, base_url: str, path: str, body: Any = None) -> Any:
-        """Send one request and decode its JSON; retry only what provably did not reach the server."""
-        session = self._session
-        if session is None:
+        """Send one request and decode its JSON (``{}`` for an empty body, as vLLM's ``/health``)."""
+        answer = await self._answer(method, base_url, path, body)
+        try:
+            return answer.json() or {}
+        except ValueError:
+            return {"text": answer.payload.decode("utf-8", errors="replace")}
+
+    async def _answer(self, method: str, base_url: str, path: str, body: Any = None) -> Answer:
+        """Send one request; a non-2xx answer raises the typed :class:`EngineServerError`."""
+        if not self.http.is_open:
             raise RuntimeError("EngineClient is not open: use 'async with EngineClient(...)' or await open()")
         url = base_url + path
-        data = None if body is None else orjson.dumps(body)
-        headers = None if body is None else JSON_HEADERS
-        attempt = 0
-        while True:
-            try:
-                status, payload, retry_after = await _send(session, method, url, data, headers)
-                break
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                reason = f"cannot connect to {base_url}: {_describe(exc)}"
-            except TimeoutError as exc:
-                raise EngineTimeoutError(
-                    f"{method} {url}: no answer within {self.timeout} s; it may have been carried out, "
-                    "so it was not re-sent"
-                ) from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                reason = f"{method} {url}: connection broke: {_describe(exc)}"
-                if method != "GET":
-                    raise EngineConnectionError(
-                        f"{reason}; it may have been carried out, so it was not re-sent"
-                    ) from exc
-            if attempt >= self.retries:
-                raise EngineConnectionError(f"{reason} (gave up after {attempt + 1} tries)")
-            await asyncio.sleep(
-                min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
-            )
-            attempt += 1
-        if status >= 400:
-            raise _server_error(status, payload, method, url, retry_after)
-        if not payload:
-            return {}
-        try:
-            return orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return {"text": payload.decode("utf-8", errors="replace")}
+        answer = await self.http.request(method, url, body)
+        if answer.status >= 400:
+            raise engine_error(answer.status, answer.payload, method, url, answer.retry_after)
+        return answer
 
 
-async def _send(
-    session: aiohttp.ClientSession, method: str, url: str, data: bytes | None, headers: dict[str, str] | None
-) -> tuple[int, bytes, float | None]:
-    async with session.request(method, url, data=data, headers=headers) as response:
-        retry_after = response.headers.get("Retry-After")
-        try:
-            seconds = float(retry_after) if retry_after is not None else None
-        except ValueError:
-            seconds = None
-        return response.status, await response.read(), seconds
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-def _completion(payload: dict[str, Any], url: str) -> Completion:
+def _parse(model: type[M], payload: Any, url: str) -> M:
     try:
-        choice = payload["choices"][0]
-        token_ids = choice["token_ids"]
-        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-    except (KeyError, IndexError, TypeError) as exc:
-        raise EngineProtocolError(f"{url}: completion without choices[0]: {str(payload)[:300]}") from exc
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise EngineProtocolError(f"{url}: not a {model.__name__}: {exc}") from exc
+
+
+def _completion(answer: Answer, url: str) -> Completion:
+    """The first choice of a 2xx ``/v1/completions`` answer, which must hold ids and log-probs."""
+    response = _parse(CompletionResponse, answer.json(), url)
+    if not response.choices:
+        raise EngineProtocolError(f"{url}: completion without choices")
+    choice = response.choices[0]
+    token_ids = choice.token_ids
+    token_logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
     if token_ids is None or token_logprobs is None:
         raise EngineProtocolError(f"{url}: completion lacks token_ids or logprobs.token_logprobs")
     if len(token_ids) != len(token_logprobs) or any(value is None for value in token_logprobs):
@@ -382,36 +356,28 @@ def _completion(payload: dict[str, Any], url: str) -> Completion:
             f"{url}: {len(token_ids)} token ids but {len(token_logprobs)} log-probs (or a null one)"
         )
     return Completion(
-        token_ids=[int(token) for token in token_ids],
-        logprobs=[float(value) for value in token_logprobs],
-        text=choice.get("text") or "",
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"),
+        token_ids=list(token_ids),
+        logprobs=[float(value) for value in token_logprobs if value is not None],
+        text=choice.text,
+        finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason,
         url=url,
+        busy_wait_s=answer.busy_wait_s,
     )
 
 
-def _server_error(
-    status: int, payload: bytes, method: str, url: str, retry_after: float | None
+CONTEXT_ERROR_CODES = frozenset({"context_length_exceeded", "context_too_long"})
+"""Ours and OpenAI's code for a prompt past the context; vLLM says it in the message only."""
+
+
+def engine_error(
+    status: int, payload: bytes, method: str, url: str, retry_after: float | None = None
 ) -> EngineServerError:
-    """Read our ``{"error": {"code", "message"}}`` or vLLM's ``{"error": {"message", "type"}}`` /
-    ``{"object": "error", "message", "type"}``; anything else is kept as text."""
-    code, message = "http_error", ""
-    try:
-        body = orjson.loads(payload)
-        error = body.get("error", body) if isinstance(body, dict) else {}
-        if isinstance(error, dict):
-            code = str(error.get("code") or error.get("type") or code)
-            message = str(error.get("message") or "")
-        elif isinstance(error, str):
-            message = error
-    except orjson.JSONDecodeError:
-        pass
-    if not message:
-        message = payload[:500].decode("utf-8", errors="replace").strip() or f"HTTP {status}"
+    """The typed error of an engine's (ours, vLLM's, an OpenAI-compatible server's) error answer."""
+    code, message = parse_error_body(status, payload)
     kind = EngineServerError
     if status == 429:
         kind = EngineBusyError
-    elif status == 400 and (code == "context_too_long" or "maximum context length" in message):
+    elif status == 400 and (code in CONTEXT_ERROR_CODES or "maximum context length" in message):
         kind = EngineContextLengthError
     return kind(status, code, message, method, url, retry_after)

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.env_protocol import ErrorResponse, Health
 from services.errors import ApiError
-from services.protocol import ErrorResponse, Health
 from services.settings import ServiceSettings
 
 Scope = MutableMapping[str, Any]

@@ -1,4 +1,4 @@
-"""Redis streams queue between the trainer and the rollout workers (DESIGN.md, "Delivery").
+"""Redis streams queue between the trainer and the rollout workers (docs/architecture.md, "Delivery").
 
 At-least-once delivery with consumer groups: an entry stays pending until acked, and entries
 pending on a consumer that died are taken over with ``XAUTOCLAIM`` after a visibility timeout.
@@ -355,7 +355,7 @@ def trajectory_queue(redis: Redis) -> StreamQueue[Trajectory]:
 
 
 @dataclass(frozen=True)
-class Completion:
+class JobCompletion:
     """What :func:`complete_job` did."""
 
     published: bool
@@ -394,7 +394,7 @@ async def complete_job(
     trajectory: Trajectory,
     *,
     dedup_ttl_s: int = DEFAULT_DEDUP_TTL_S,
-) -> Completion:
+) -> JobCompletion:
     """Publish ``trajectory`` unless its job already has one, and ack the job: atomically.
 
     This is how a worker acks a job "only after its trajectory is in the stream": both happen
@@ -416,7 +416,7 @@ async def complete_job(
             int(jobs.delete_on_ack),
         ],
     )
-    return Completion(published=bool(published), acked=bool(acked))
+    return JobCompletion(published=bool(published), acked=bool(acked))
 
 
 async def set_policy(redis: Redis, version: int, path: str) -> PolicyPointer:

@@ -1,7 +1,7 @@
 """Pydantic models of what travels through Redis between the trainer and the rollout workers.
 
 One definition of the rollout job, the trajectory and the policy pointer, and of the Redis names
-they live under (DESIGN.md, "Rollout job", "Trajectory", "Delivery", "Weights"). Every stream
+they live under (docs/architecture.md, "Rollout job and trajectory", "Delivery", "Weights"). Every stream
 entry carries a single field, :data:`DATA_FIELD`, holding the model's JSON; unknown fields are a
 validation error so that a producer and a consumer that disagree fail loudly instead of training
 on silently dropped data.
@@ -15,7 +15,7 @@ from typing import Any, Literal, Self
 
 from pydantic import ConfigDict, Field, model_validator
 
-from services.protocol import Seed, WireModel
+from services.env_protocol import Seed, WireModel
 
 JOBS_STREAM = "stargym:jobs"
 """Stream of :class:`RolloutJob`, written by the trainer's controller, read by rollout workers."""
@@ -109,6 +109,12 @@ class Trajectory(JobFields):
     on sampled (assistant) tokens and 0 elsewhere, and ``logprobs`` holds the behaviour
     log-probability of each sampled token and exactly 0.0 on every token with mask 0. Keeping
     one length for the three lets the trainer build its tensors without bookkeeping.
+
+    ``truncated`` episodes (cut by ``max_turns`` or the context limit, not ended by the env) keep
+    the env's next observation after their last reply, appended exactly as a next turn would
+    append it (closing text, user message, generation prompt; mask 0, log-prob 0.0), even past the
+    engine's context: a truncated trajectory's tokens after its last sampled token are the state
+    it was cut in; the trainer bootstraps V there. An episode the env ended has none.
 
     ``policy_version`` is the *oldest* version any turn was sampled under, so that staleness
     checks are conservative when weights changed mid-episode.

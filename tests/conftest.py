@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from deploy.launcher import STARGYM, free_port, start_service, wait_healthy
 from deploy.launcher import ServiceProcess as RunningServer
 from deploy.launcher import stop_process as stop_server
-from services.redis_local import LocalRedis, start_redis_server
+from deploy.redis_local import LocalRedis, start_redis_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 __all__ = [
     "REPO_ROOT",
     "STARGYM",
     "RunningServer",
+    "eventually",
     "free_port",
     "start_server",
     "stop_server",
     "wait_healthy",
+    "wait_until",
 ]
+T = TypeVar("T")
 
 
 def start_server(
@@ -58,3 +64,42 @@ def redis_server() -> Iterator[LocalRedis]:
 def redis_url(redis_server: LocalRedis) -> str:
     """URL of the session's Redis; tests that need a clean database flush it themselves."""
     return redis_server.url
+
+
+def wait_until(
+    condition: Callable[[], T],
+    what: str,
+    deadline_s: float = 30.0,
+    interval_s: float = 0.1,
+    logs: Iterable[RunningServer] = (),
+) -> T:
+    """Poll ``condition()`` until it returns something truthy and return that; the one way tests wait.
+
+    After ``deadline_s`` it fails with an AssertionError that names ``what`` and shows the tail of
+    each server log in ``logs``, so a hang reads as the reason it hung, not as a bare timeout.
+    ``condition`` may raise AssertionError itself to end the wait early (a process that died).
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(interval_s)
+    details = "".join(f"\n--- {server.log_path.name}\n{server.log()[-4000:]}" for server in logs)
+    raise AssertionError(f"timed out after {deadline_s} s waiting for {what} (last value {value!r}){details}")
+
+
+async def eventually(
+    condition: Callable[[], Awaitable[T]], what: str, deadline_s: float = 5.0, interval_s: float = 0.02
+) -> T:
+    """:func:`wait_until` for a coroutine condition, sleeping with ``asyncio.sleep`` between polls."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what} (last value {value!r})")
+        await asyncio.sleep(interval_s)

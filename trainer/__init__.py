@@ -1,1 +1,1 @@
-"""See DESIGN.md."""
+"""The trainer service: controller, updates, checkpoints, metrics (docs/architecture.md)."""

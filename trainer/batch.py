@@ -10,20 +10,16 @@ as :func:`~trainer.algorithms.losses.logprobs_from_logits` computes it; 0 off th
 a token budget, each trimmed to its own longest row; ``TrainBatch.index`` maps each row back to
 its row in the batch it came from, so per-row results can be put back together
 (:meth:`TrainBatch.scatter_rows`).
-
-:func:`synthetic_trajectories` samples multi-turn trajectories from a model in-process, with real
-behaviour log-probs, for tests, benchmarks and dry runs without the rollout side.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 
-from services.rollout_protocol import SamplingParams, Trajectory, Turn
+from services.rollout_protocol import Trajectory
 
 
 class UntrainableTrajectoryError(ValueError):
@@ -40,6 +36,13 @@ class TrainBatch:
     behaviour_logprobs: ``[B, S]`` float32, position ``t`` holds log pi_behaviour(token_t | <t);
         0 off the mask.
     scores: ``[B]`` float32, the episode return (``Trajectory.reward``).
+    temperature, top_p: ``[B]`` float32; top_k: ``[B]`` long, 0 for no cut: how each row was
+        sampled (``Trajectory.sampling``), so the trainer recomputes its log-probs under the same
+        truncation the engine sampled with.
+    truncated: ``[B]`` bool, the episode was cut by ``max_turns`` or the context limit, not ended
+        by the env (``Trajectory.truncated``): GAE bootstraps it from the critic. Its tokens after
+        the last sampled one are the final observation (mask 0), so the state it was cut in is
+        the one after its last real token.
     index: ``[B]`` long, each row's position in the batch it was cut from (``arange`` for a
         collated batch).
     group_ids, env_ids, job_ids, policy_versions: per row.
@@ -53,6 +56,10 @@ class TrainBatch:
     response_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     scores: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    truncated: torch.Tensor
     index: torch.Tensor
     group_ids: list[str]
     env_ids: list[str]
@@ -121,6 +128,10 @@ class TrainBatch:
             response_mask=cut(self.response_mask),
             behaviour_logprobs=cut(self.behaviour_logprobs),
             scores=self.scores[picked],
+            temperature=self.temperature[picked],
+            top_p=self.top_p[picked],
+            top_k=self.top_k[picked],
+            truncated=self.truncated[picked],
             index=self.index[picked],
             group_ids=[self.group_ids[row] for row in rows],
             env_ids=[self.env_ids[row] for row in rows],
@@ -212,6 +223,10 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
         response_mask=response_mask,
         behaviour_logprobs=behaviour,
         scores=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
+        temperature=torch.tensor([t.sampling.temperature for t in trajectories], dtype=torch.float32),
+        top_p=torch.tensor([t.sampling.top_p for t in trajectories], dtype=torch.float32),
+        top_k=torch.tensor([t.sampling.top_k or 0 for t in trajectories], dtype=torch.long),
+        truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
         index=torch.arange(batch, dtype=torch.long),
         group_ids=[t.group_id for t in trajectories],
         env_ids=[t.env for t in trajectories],
@@ -250,140 +265,3 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> list[TrainBatch]:
     if current:
         groups.append(current)
     return [batch.select(rows, max(1, max(lengths[row] for row in rows))) for rows in groups]
-
-
-# --------------------------------------------------------------------------------------------
-# Synthetic trajectories sampled from a model in-process
-# --------------------------------------------------------------------------------------------
-
-
-RewardFn = Callable[[list[list[int]], random.Random], float]
-"""``reward_fn(responses, rng)``: the episode's return from its sampled responses (one token list
-per turn)."""
-
-
-def _default_reward(responses: list[list[int]], rng: random.Random) -> float:
-    return float(rng.random() < 0.3)
-
-
-@torch.no_grad()
-def synthetic_trajectories(
-    model: torch.nn.Module,
-    *,
-    groups: int,
-    group_size: int,
-    vocab_ids: Sequence[int],
-    first_prompt_len: int = 125,
-    observation_len: int = 33,
-    turns: tuple[int, int] = (1, 8),
-    sampling: SamplingParams | None = None,
-    stop_token_ids: Sequence[int] = (),
-    reward_fn: RewardFn = _default_reward,
-    seed: int = 0,
-    env: str = "synthetic/sampled",
-    run_id: str = "synthetic",
-    policy_version: int = 0,
-) -> list[Trajectory]:
-    """Multi-turn trajectories sampled from ``model`` (a causal LM) with real behaviour log-probs.
-
-    Each group shares its first prompt (``first_prompt_len`` random tokens from ``vocab_ids``),
-    as episodes from one initial state do; each episode plays a random number of turns in
-    ``turns`` (inclusive): an observation of ``observation_len`` random tokens (none before the
-    first turn), then up to ``sampling.max_tokens`` tokens sampled at ``sampling.temperature``
-    (full vocabulary, no top-p/top-k) with a KV cache, ending early at a ``stop_token_ids`` token.
-    Behaviour log-probs are ``log_softmax(logits / T)`` of the sampled tokens, as the engine
-    reports them. The last turn carries ``reward_fn(responses, rng)``; the episode return is it.
-    """
-    from transformers import DynamicCache
-
-    sampling = sampling or SamplingParams(max_tokens=8)
-    temperature = sampling.temperature
-    greedy = temperature < 1e-5
-    rng = random.Random(seed)
-    generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    stops = set(stop_token_ids)
-    vocab = list(vocab_ids)
-    was_training = model.training
-    model.eval()
-    trajectories: list[Trajectory] = []
-    for group in range(groups):
-        first_prompt = [rng.choice(vocab) for _ in range(first_prompt_len)]
-        for member in range(group_size):
-            num_turns = rng.randint(turns[0], turns[1])
-            cache = DynamicCache()
-            token_ids: list[int] = []
-            loss_mask: list[int] = []
-            logprobs: list[float] = []
-            turn_records: list[Turn] = []
-            responses: list[list[int]] = []
-            carry: list[int] = []
-            for turn in range(num_turns):
-                prompt = first_prompt if turn == 0 else [rng.choice(vocab) for _ in range(observation_len)]
-                # The previous turn's last sampled token is in the context but not yet in the cache.
-                pending = carry + list(prompt)
-                response: list[int] = []
-                for _ in range(sampling.max_tokens):
-                    out = model(
-                        input_ids=torch.tensor([pending], device=device),
-                        past_key_values=cache,
-                        use_cache=True,
-                    )
-                    cache = out.past_key_values
-                    logits = out.logits[0, -1].float().cpu()
-                    scaled = logits if greedy or temperature == 1.0 else logits / temperature
-                    log_probs = torch.log_softmax(scaled, dim=-1)
-                    if greedy:
-                        token = int(torch.argmax(log_probs))
-                    else:
-                        token = int(torch.multinomial(log_probs.exp(), 1, generator=generator))
-                    if not response:
-                        token_ids += prompt
-                        loss_mask += [0] * len(prompt)
-                        logprobs += [0.0] * len(prompt)
-                    token_ids.append(token)
-                    loss_mask.append(1)
-                    logprobs.append(float(log_probs[token]))
-                    response.append(token)
-                    pending = [token]
-                    if token in stops:
-                        break
-                carry = [response[-1]]
-                responses.append(response)
-                turn_records.append(
-                    Turn(
-                        observation=f"obs {turn}",
-                        response=" ".join(map(str, response)),
-                        actions=[],
-                        reward=0.0,
-                        done=turn == num_turns - 1,
-                        valid=True,
-                        policy_version=policy_version,
-                        prompt_tokens=len(prompt),
-                        response_tokens=len(response),
-                    )
-                )
-            reward = float(reward_fn(responses, rng))
-            turn_records[-1] = turn_records[-1].model_copy(update={"reward": reward})
-            trajectories.append(
-                Trajectory(
-                    job_id=f"{run_id}-{seed}-{group}-{member}",
-                    run_id=run_id,
-                    env=env,
-                    seed=group,
-                    group_id=f"{run_id}-{seed}-g{group}",
-                    max_turns=max(turns[1], 1),
-                    sampling=sampling,
-                    policy_version=policy_version,
-                    turns=turn_records,
-                    token_ids=token_ids,
-                    loss_mask=loss_mask,
-                    logprobs=logprobs,
-                    reward=reward,
-                    success=reward > 0,
-                    num_turns=len(turn_records),
-                    worker_id="synthetic",
-                )
-            )
-    model.train(was_training)
-    return trajectories

@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.contracts import FAMILY_PORTS
 from services.rollout_protocol import ActionFormat, SamplingParams
 from trainer.algorithms.curriculum import HorizonSchedule
+from trainer.algorithms.filtering import num_groups_to_keep
+from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 
 DEFAULT_MODEL_PATH = "models/tiny"
 CHECKPOINTS_ROOT = "checkpoints"
-FAMILY_PORTS = {"game": 8101, "embodied": 8102, "search": 8103, "web": 8104}
-"""Default env server port of each env family (DESIGN.md, "Names and defaults")."""
 
 Preset = Literal["custom", "starpo", "starpo_s"]
 PRESETS: dict[str, dict[tuple[str, ...], Any]] = {
@@ -205,7 +207,18 @@ class EnvsConfig(Section):
 class RolloutConfig(Section):
     group_size: int = Field(default=8, ge=1, description="Jobs per group (same env and seed).")
     groups_per_batch: int = Field(default=16, ge=1, description="Groups per update batch.")
-    max_inflight: int = Field(default=256, ge=1, description="Most jobs queued or running at once.")
+    max_inflight: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most jobs issued and not yet used (queued, played, or waiting in a complete group); "
+        "None: derived, twice what one batch needs (see TrainConfig.min_inflight).",
+    )
+    group_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="A group not complete this long after it was issued has its missing jobs re-issued "
+        "once; still incomplete as long again, it is dropped (rollout/groups_timed_out).",
+    )
     max_staleness: int = Field(
         default=1, ge=0, description="Trajectories older than this many policy versions are dropped."
     )
@@ -234,7 +247,11 @@ class CriticConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage: str = Field(
+        default="grpo",
+        description="Advantage estimator, a name in trainer.algorithms.registry: gae, grpo, rloo, "
+        "reinforce_pp, or one registered with register_advantage.",
+    )
     norm_adv: Literal["group", "batch", "none"] = Field(
         default="group", description="Advantage normaliser: per-group std (GRPO), batch std, or none."
     )
@@ -248,15 +265,65 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k3"] = "k3"
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     ppo_epochs: int = Field(default=1, ge=1)
+    bootstrap_truncated: bool | None = Field(
+        default=None,
+        description="Bootstrap an episode cut by max_turns or the context limit from the critic's "
+        "value of the state it was cut in, instead of treating it as ended (value 0). null: on for "
+        "an estimator with a critic (gae); true with an estimator without one is an error.",
+    )
+    whiten_advantages: bool | None = Field(
+        default=None,
+        description="Whiten the advantages (mean 0, std 1 over the batch's trainable tokens). null: "
+        "the estimator's default: on for gae (as verl does), off for grpo and rloo (normalised "
+        "within groups) and reinforce_pp (whitened by definition).",
+    )
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
+    @field_validator("advantage")
+    @classmethod
+    def registered_estimator(cls, name: str) -> str:
+        if name not in ADVANTAGE_ESTIMATORS:
+            known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+            raise ValueError(f"unknown estimator {name!r}; registered: {known}")
+        return name
+
     @model_validator(mode="after")
-    def critic_for_gae(self) -> Self:
-        if self.advantage == "gae" and not self.critic.enabled:
-            raise _KeyedProblems(
-                [("critic.enabled", "advantage 'gae' needs a critic: set critic.enabled: true")]
+    def critic_when_needed(self) -> Self:
+        problems = []
+        if self.estimator.needs_critic and not self.critic.enabled:
+            problems.append(
+                ("critic.enabled", f"advantage {self.advantage!r} needs a critic: set critic.enabled: true")
             )
+        if self.bootstrap_truncated and not self.estimator.needs_critic:
+            problems.append(
+                (
+                    "bootstrap_truncated",
+                    f"advantage {self.advantage!r} has no critic to bootstrap from: "
+                    "use an estimator with a critic (gae) or leave bootstrap_truncated unset",
+                )
+            )
+        if problems:
+            raise _KeyedProblems(problems)
         return self
+
+    @property
+    def estimator(self) -> AdvantageEstimator:
+        """The registered estimator ``advantage`` names."""
+        return ADVANTAGE_ESTIMATORS[self.advantage]
+
+    @property
+    def bootstraps_truncated(self) -> bool:
+        """``bootstrap_truncated`` with null resolved: on exactly when the estimator has a critic."""
+        if self.bootstrap_truncated is None:
+            return self.estimator.needs_critic
+        return self.bootstrap_truncated
+
+    @property
+    def whitens_advantages(self) -> bool:
+        """``whiten_advantages`` with null resolved to the estimator's default."""
+        if self.whiten_advantages is None:
+            return self.estimator.whiten_by_default
+        return self.whiten_advantages
 
 
 class FilterConfig(Section):
@@ -398,6 +465,60 @@ class TrainConfig(Section):
         if problems:
             raise _KeyedProblems(problems)
         return self
+
+    @model_validator(mode="after")
+    def inflight_fits_a_batch(self) -> Self:
+        """Derive ``rollout.max_inflight`` when unset; refuse one that could never yield a batch.
+
+        Complete groups waiting for a batch still hold their slots, so the controller can only
+        cut a batch if :attr:`min_inflight` jobs fit in flight at once: below that it would wait
+        forever. Unset, the limit is twice that minimum: one batch of candidates being played
+        while the previous one trains, which is what keeps workers busy without letting
+        trajectories grow stale (with the filter off and defaults: 2 x 16 x 8 = 256). Runs after
+        :meth:`apply_preset`, which decides whether the StarPO-S filter is on.
+        """
+        minimum = self.min_inflight
+        if self.rollout.max_inflight is None:
+            self.rollout.max_inflight = 2 * minimum
+            self.rollout.model_fields_set.discard("max_inflight")  # stays derived in to_yaml's eyes
+        elif self.rollout.max_inflight < minimum:
+            if self.starpo_s.filter.enabled:
+                why = (
+                    f"rollout.groups_per_batch={self.rollout.groups_per_batch} kept groups need "
+                    f"{self.candidate_groups} candidate groups at starpo_s.filter.ratio="
+                    f"{self.starpo_s.filter.ratio}"
+                )
+            else:
+                why = f"rollout.groups_per_batch={self.rollout.groups_per_batch} groups"
+            raise _KeyedProblems(
+                [
+                    (
+                        "rollout.max_inflight",
+                        f"{self.rollout.max_inflight} jobs can never fill a batch: {why} of "
+                        f"rollout.group_size={self.rollout.group_size} jobs must be in flight at once, "
+                        f"so the minimum is {minimum}; raise it or leave it out (derived: {2 * minimum})",
+                    )
+                ]
+            )
+        return self
+
+    @property
+    def candidate_groups(self) -> int:
+        """Complete groups one batch is cut from: ``groups_per_batch``, or with the StarPO-S filter
+        the fewest whose kept share (``filter.ratio``) is ``groups_per_batch``."""
+        wanted = self.rollout.groups_per_batch
+        flt = self.starpo_s.filter
+        if not flt.enabled:
+            return wanted
+        needed = math.ceil(round(wanted / flt.ratio, 6))
+        while num_groups_to_keep(needed, flt.ratio) < wanted:
+            needed += 1
+        return needed
+
+    @property
+    def min_inflight(self) -> int:
+        """The smallest ``rollout.max_inflight`` that can ever produce a batch."""
+        return self.candidate_groups * self.rollout.group_size
 
     @property
     def run_dir(self) -> Path:

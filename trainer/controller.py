@@ -8,35 +8,49 @@ on the trainer's side:
   sampling seeds. Max turns come from the ScalingInter-RL schedule at the current update step,
   ``policy_version`` is the version being served. At most ``max_inflight`` jobs are outstanding:
   issued and not yet disposed of (queued, being played, or delivered and waiting for a batch),
-  so rollouts never run more than about one batch ahead of the updates.
+  so rollouts never run more than about one batch ahead of the updates. The config guarantees
+  the limit fits one batch of candidate groups (:attr:`TrainConfig.min_inflight`), so waiting for
+  a batch always ends.
 * **grouping**: trajectories are consumed in the ``trainer`` group and collected by ``group_id``;
-  a group is *complete* when all ``group_size`` of its trajectories arrived. A complete group with
+  a group is *complete* when all ``group_size`` of its members arrived. A complete group with
   an untrainable member (``Trajectory.untrainable_reason``: failed episode, text-only) is dropped,
   the reason logged and counted; so is a group older than ``max_staleness`` policy versions when
   a batch is assembled.
+* **lost jobs**: a group not complete ``group_timeout_s`` after it was issued (a job lost with
+  its worker, a poison job) has its *missing members* re-issued once, under new job ids
+  (``<group>-<member>-r1``) with the same env, seed, sampling seed and max turns, so the group
+  still compares one initial state; whichever copy of a member arrives first is used, a later one
+  is a duplicate (counted, acked). Still incomplete ``group_timeout_s`` after that, the group is
+  dropped and counted (``rollout/groups_timed_out``) and its slots are freed; members that turn up
+  later are counted as ``late`` and acked, never trained on.
 * **StarPO-S**: with the filter on, a batch is cut from the smallest number of complete groups whose
   ``filter_ratio`` share is ``groups_per_batch`` (so the update keeps its configured size: more
   groups are issued to refill it); the kept groups are those with the highest in-group reward std
   (``std_rev``: the lowest) and the rest are dropped. The kept ratio is reported.
+* **evaluation**: :meth:`Controller.start_eval` issues a round of held-out episodes through the
+  same job stream (:mod:`trainer.evaluation`); their trajectories are set apart, never trained on.
 * **acknowledging**: nothing is acked when it is consumed. Every trajectory that was used, filtered
   out or dropped waits in :attr:`Controller.uncommitted` until :meth:`Controller.commit`, which
   the trainer calls right after the checkpoint of the update that used them is saved. A trainer
   that dies re-reads on restart (``XAUTOCLAIM`` from idle 0) everything it had consumed and not
   committed: no trajectory is lost, none is used twice.
 
-Everything the controller does is appended to ``<run_dir>/controller.jsonl`` (one JSON object a
-line: ``issue`` per group, ``consume`` per trajectory, ``drop`` per dropped group, ``commit`` per
-checkpoint), so delivery can be audited across trainer lifetimes. Its own counters and the seed
-cursor are the ``controller_state`` of a checkpoint (:meth:`Controller.state_dict`).
+Everything the controller does is appended to ``<run_dir>/controller.jsonl`` (:mod:`trainer.audit_log`:
+rotated by size, a few old files kept, read back with :func:`read_controller_log`), one JSON object
+a line, about a hundred bytes per job: ``start`` per lifetime, ``issue`` per group (its job ids),
+``reissue`` per re-issued group, ``group`` per group received in full (its job ids, how many were
+re-read after a restart), ``drop`` per dropped group, ``batch`` per update (the update step and the
+job ids it trained on, in batch order), ``commit`` per checkpoint (the job ids acked), ``eval`` per
+eval round. So delivery can be audited across trainer lifetimes, and any update replayed. Its own
+counters and the seed cursor are the ``controller_state`` of a checkpoint
+(:meth:`Controller.state_dict`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
 import random
 import statistics
 import time
@@ -50,9 +64,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.queue import Delivery, StreamQueue, job_queue, trajectory_queue
-from services.rollout_protocol import RolloutJob, Trajectory
-from trainer.algorithms.filtering import num_groups_to_keep, select_groups
+from services.rollout_protocol import JobFields, RolloutJob, Trajectory
+from trainer.algorithms.filtering import select_groups
+from trainer.audit_log import DEFAULT_KEEP, DEFAULT_MAX_BYTES, RotatingJsonl, read_jsonl
 from trainer.config import TrainConfig
+from trainer.evaluation import EvalRound, eval_group_prefix, make_eval_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +76,33 @@ CONTROLLER_LOG = "controller.jsonl"
 TRAINER_CONSUMER = "trainer"
 """The trainer's consumer name in the ``trainer`` group: the same in every lifetime, so that a
 restarted trainer finds its own pending entries (it reclaims them anyway, whatever the name)."""
+REISSUE_SUFFIX = "-r1"
 _MAX_REASON_LOGS = 20
 
 
 @dataclass
 class Group:
-    """The trajectories of one ``group_id``, with the stream entries they came from."""
+    """The trajectories of one ``group_id`` as they arrive, with the stream entries they came from."""
 
     group_id: str
     env: str
+    issued_at: float = field(default_factory=time.monotonic)
+    """When it was issued (or re-issued; for a group of an earlier lifetime, its first arrival)."""
+    template: RolloutJob | None = None
+    """A job of the group, from which missing members are re-issued."""
     entries: list[Delivery[Trajectory]] = field(default_factory=list)
+    members: set[int] = field(default_factory=set)
+    reissued: bool = False
+    reclaimed: int = 0
     completed_at: float = 0.0
 
     @property
     def trajectories(self) -> list[Trajectory]:
         return [delivery.model for delivery in self.entries]
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [delivery.model.job_id for delivery in self.entries]
 
     @property
     def rewards(self) -> list[float]:
@@ -106,6 +134,17 @@ class Batch:
         return [t for group in self.groups for t in group.trajectories]
 
 
+def member_index(job_id: str, group_id: str) -> int | None:
+    """The member a job id names: ``<group>-<member>`` or a re-issue ``<group>-<member>-r1``."""
+    head = job_id.removeprefix(f"{group_id}-").removesuffix(REISSUE_SUFFIX)
+    return int(head) if head.isdigit() and job_id != head else None
+
+
+def job_of(trajectory: Trajectory) -> RolloutJob:
+    """The job a trajectory was played for (its job fields)."""
+    return RolloutJob.model_validate(trajectory.model_dump(include=set(JobFields.model_fields)))
+
+
 class Controller:
     """Issues jobs and assembles update batches; see the module docstring.
 
@@ -121,11 +160,20 @@ class Controller:
         run_dir: str | Path | None = None,
         consumer: str = TRAINER_CONSUMER,
         poll_ms: int = 200,
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
+        log_keep: int = DEFAULT_KEEP,
     ) -> None:
+        minimum = config.min_inflight
+        if config.rollout.max_inflight is None or config.rollout.max_inflight < minimum:
+            raise ValueError(
+                f"rollout.max_inflight {config.rollout.max_inflight} is below the {minimum} jobs one batch "
+                "of candidate groups needs: no batch could ever be cut (validate the config after changing it)"
+            )
         self.config = config
         self.redis = redis
         self.consumer = consumer
         self.poll_ms = poll_ms
+        self.max_inflight: int = config.rollout.max_inflight
         self.jobs: StreamQueue[RolloutJob] = job_queue(redis)
         self.trajectories: StreamQueue[Trajectory] = trajectory_queue(redis)
         self.run_id = config.run.name
@@ -145,25 +193,31 @@ class Controller:
                 "dropped_foreign",
                 "duplicates",
                 "groups_filtered",
+                "groups_reissued",
+                "groups_timed_out",
+                "late",
                 "reclaimed",
+                "eval_jobs_issued",
             ),
             0,
         )
         # -- in memory only (what is not committed is re-read after a crash)
-        self._partial: dict[str, Group] = {}
+        self._pending: dict[str, Group] = {}
         self._ready: list[Group] = []
+        self._timed_out: set[str] = set()
         self._seen: set[str] = set()
         self._uncommitted: list[Delivery[Trajectory]] = []
         self._outstanding_jobs = 0
+        self._eval: EvalRound | None = None
+        self._eval_prefix = eval_group_prefix(self.run_id)
         self._changed = asyncio.Event()
         self._pump_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._reason_logs = 0
         self._closed = False
-        self._log_file = None
+        self._log: RotatingJsonl | None = None
         if run_dir is not None:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self._log_file = (Path(run_dir) / CONTROLLER_LOG).open("a", encoding="utf-8")
+            self._log = RotatingJsonl(Path(run_dir) / CONTROLLER_LOG, max_bytes=log_max_bytes, keep=log_keep)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -175,6 +229,14 @@ class Controller:
         if state:
             self.load_state_dict(state)
         self.set_progress(step, policy_version)
+        derived = "rollout.max_inflight" not in self.config.rollout.model_fields_set
+        logger.info(
+            "in-flight limit %d jobs (%s; one batch needs %d candidate groups of %d)",
+            self.max_inflight,
+            "derived: twice one batch" if derived else "rollout.max_inflight",
+            self.config.candidate_groups,
+            self.config.rollout.group_size,
+        )
         await self.jobs.ensure_group()
         await self.trajectories.ensure_group()
         reclaimed = 0
@@ -200,9 +262,9 @@ class Controller:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._pump_task
             self._pump_task = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def set_progress(self, step: int, policy_version: int) -> None:
         """The update step (for the horizon schedule) and the policy version now published."""
@@ -271,37 +333,123 @@ class Controller:
     async def _issue(self) -> int:
         """Publish whole groups while the in-flight limit allows; returns jobs issued."""
         group_size = self.config.rollout.group_size
-        room = self.config.rollout.max_inflight - self._outstanding_jobs
-        groups = max(room // group_size, 0)
+        groups = max((self.max_inflight - self._outstanding_jobs) // group_size, 0)
         if groups == 0:
             return 0
-        jobs: list[RolloutJob] = []
-        first = self.groups_issued
-        for index in range(first, first + groups):
-            jobs += self.make_group_jobs(index)
-        await self.jobs.publish_many(jobs)
+        per_group = [
+            self.make_group_jobs(index) for index in range(self.groups_issued, self.groups_issued + groups)
+        ]
+        await self.jobs.publish_many([job for members in per_group for job in members])
         self.groups_issued += groups
-        self._outstanding_jobs += len(jobs)
-        self.counters["jobs_issued"] += len(jobs)
-        for start in range(0, len(jobs), group_size):
-            members = jobs[start : start + group_size]
+        self._outstanding_jobs += groups * group_size
+        self.counters["jobs_issued"] += groups * group_size
+        for members in per_group:
+            first = members[0]
+            self._pending[first.group_id] = Group(first.group_id, first.env, template=first)
             self._write(
                 {
                     "event": "issue",
-                    "group_id": members[0].group_id,
-                    "env": members[0].env,
-                    "seed": members[0].seed,
-                    "max_turns": members[0].max_turns,
-                    "version": members[0].policy_version,
+                    "group_id": first.group_id,
+                    "env": first.env,
+                    "seed": first.seed,
+                    "max_turns": first.max_turns,
+                    "version": first.policy_version,
                     "job_ids": [job.job_id for job in members],
                 }
             )
-        return len(jobs)
+        return groups * group_size
+
+    async def _expire(self) -> None:
+        """Re-issue the missing members of groups past ``group_timeout_s``, or drop them the second time."""
+        timeout = self.config.rollout.group_timeout_s
+        now = time.monotonic()
+        for group in [g for g in self._pending.values() if now - g.issued_at >= timeout]:
+            if not group.reissued and group.template is not None:
+                jobs = self._reissue_jobs(group)
+                await self.jobs.publish_many(jobs)
+                group.reissued, group.issued_at = True, now
+                self.counters["groups_reissued"] += 1
+                self._log_reason(
+                    f"group {group.group_id}: {len(jobs)} job(s) not back after {timeout:g} s; re-issued once"
+                )
+                self._write(
+                    {"event": "reissue", "group_id": group.group_id, "job_ids": [job.job_id for job in jobs]}
+                )
+                continue
+            del self._pending[group.group_id]
+            self._timed_out.add(group.group_id)
+            self.counters["groups_timed_out"] += 1
+            missing = self.config.rollout.group_size - len(group.members)
+            self._drop(
+                group, "timed_out", f"{missing} member(s) still missing {timeout:g} s after the re-issue"
+            )
+            self._changed.set()
+
+    def _reissue_jobs(self, group: Group) -> list[RolloutJob]:
+        """New jobs for the members of ``group`` that have not arrived: same env, seed, sampling seed."""
+        template = group.template
+        assert template is not None
+        first = member_index(template.job_id, group.group_id) or 0
+        jobs = []
+        for member in range(self.config.rollout.group_size):
+            if member in group.members:
+                continue
+            seed = None if template.sampling.seed is None else template.sampling.seed - first + member
+            jobs.append(
+                template.model_copy(
+                    update={
+                        "job_id": f"{group.group_id}-{member}{REISSUE_SUFFIX}",
+                        "sampling": template.sampling.model_copy(update={"seed": seed}),
+                        "policy_version": self.policy_version,
+                        "created_at": time.time(),
+                    }
+                )
+            )
+        return jobs
+
+    async def start_eval(self, step: int) -> bool:
+        """Issue an eval round for the policy of ``step``; False (nothing issued) while one is out."""
+        if self._eval is not None:
+            return False
+        jobs = make_eval_jobs(self.config, self.run_id, self.lifetime, step, self.policy_version)
+        await self.jobs.publish_many(jobs)
+        self._eval = EvalRound(step, self.policy_version, jobs[0].group_id, {job.job_id for job in jobs})
+        self.counters["eval_jobs_issued"] += len(jobs)
+        self._write({"event": "eval", "step": step, "group_id": jobs[0].group_id, "jobs": len(jobs)})
+        return True
+
+    def finished_eval(self) -> EvalRound | None:
+        """The outstanding eval round once it is complete or past ``group_timeout_s``; it is then forgotten."""
+        round_ = self._eval
+        if round_ is None:
+            return None
+        if not round_.complete and time.monotonic() - round_.issued_at < self.config.rollout.group_timeout_s:
+            return None
+        self._eval = None
+        return round_
+
+    async def wait_eval(self, timeout_s: float) -> EvalRound | None:
+        """Wait (at most ``timeout_s``) for the outstanding eval round; None if there is none."""
+        deadline = time.monotonic() + timeout_s
+        while self._eval is not None:
+            round_ = self.finished_eval()
+            if round_ is not None:
+                return round_
+            if self._error is not None:
+                raise RuntimeError("the controller's background loop failed") from self._error
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                round_, self._eval = self._eval, None
+                return round_
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+        return None
 
     # -- consuming ------------------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        """Background loop: top the job queue up, read trajectories, group them."""
+        """Background loop: top the job queue up, read trajectories, group them, expire lost groups."""
         delay = 0.2
         while not self._closed:
             try:
@@ -309,6 +457,7 @@ class Controller:
                 deliveries = await self.trajectories.consume(self.consumer, count=512, block_ms=self.poll_ms)
                 for delivery in deliveries:
                     self._accept(delivery)
+                await self._expire()
                 delay = 0.2
             except asyncio.CancelledError:
                 raise
@@ -323,18 +472,9 @@ class Controller:
                 return
 
     def _accept(self, delivery: Delivery[Trajectory], reclaimed: bool = False) -> None:
-        trajectory = delivery.model
-        self._write(
-            {
-                "event": "consume",
-                "job_id": trajectory.job_id,
-                "entry_id": delivery.entry_id,
-                "group_id": trajectory.group_id,
-                "reclaimed": reclaimed,
-            }
-        )
-        trajectory = shape_reward(trajectory, self.config.rollout.invalid_penalty)
+        trajectory = shape_reward(delivery.model, self.config.rollout.invalid_penalty)
         delivery = Delivery(delivery.entry_id, trajectory)
+        group_id = trajectory.group_id
         if trajectory.job_id in self._seen:
             self.counters["duplicates"] += 1
             self._uncommitted.append(delivery)
@@ -346,14 +486,44 @@ class Controller:
             self._log_reason(f"trajectory of run {trajectory.run_id!r} in run {self.run_id!r}: dropped")
             self._uncommitted.append(delivery)
             return
-        if not trajectory.group_id.endswith(self.lifetime):
-            # A job an earlier trainer lifetime issued: not counted as outstanding here yet.
-            self._outstanding_jobs += 1
-        group = self._partial.setdefault(trajectory.group_id, Group(trajectory.group_id, trajectory.env))
+        if group_id.startswith(self._eval_prefix):
+            # Eval episodes are never trained on; they are acked with the next checkpoint.
+            if self._eval is not None and self._eval.add(delivery.model):
+                self._changed.set()
+            self._uncommitted.append(delivery)
+            return
+        group = self._pending.get(group_id)
+        if group is None and (group_id in self._timed_out or group_id.endswith(self.lifetime)):
+            # The group was used or dropped already: a re-issued member's original, or too late.
+            self.counters["late"] += 1
+            self._uncommitted.append(delivery)
+            return
+        if group is None:
+            # A group an earlier trainer lifetime issued: its slots are counted from now on.
+            group = Group(group_id, trajectory.env, template=job_of(trajectory))
+            self._pending[group_id] = group
+            self._outstanding_jobs += self.config.rollout.group_size
+        member = member_index(trajectory.job_id, group_id)
+        if member is None:  # an id this controller did not make: a member of its own
+            member = next(index for index in range(len(group.entries) + 1) if index not in group.members)
+        if member in group.members:  # the original and its re-issue both came back
+            self.counters["duplicates"] += 1
+            self._uncommitted.append(delivery)
+            return
+        group.members.add(member)
         group.entries.append(delivery)
-        if len(group.entries) >= self.config.rollout.group_size:
-            del self._partial[trajectory.group_id]
+        group.reclaimed += reclaimed
+        if len(group.members) >= self.config.rollout.group_size:
+            del self._pending[group_id]
             group.completed_at = time.monotonic()
+            self._write(
+                {
+                    "event": "group",
+                    "group_id": group_id,
+                    "job_ids": group.job_ids,
+                    "reclaimed": group.reclaimed,
+                }
+            )
             self._complete(group)
 
     def _complete(self, group: Group) -> None:
@@ -371,8 +541,9 @@ class Controller:
         self._dispose(group)
 
     def _dispose(self, group: Group) -> None:
+        """Hand the group's entries to the next commit and free its slots (all of them, arrived or not)."""
         self._uncommitted += group.entries
-        self._outstanding_jobs = max(self._outstanding_jobs - len(group.entries), 0)
+        self._outstanding_jobs = max(self._outstanding_jobs - self.config.rollout.group_size, 0)
 
     def _log_reason(self, message: str) -> None:
         self._reason_logs += 1
@@ -382,16 +553,6 @@ class Controller:
             logger.warning("further drops are counted in rollout/dropped_* only")
 
     # -- batches --------------------------------------------------------------------------------
-
-    def _candidates_needed(self) -> int:
-        rollout = self.config.rollout
-        flt = self.config.starpo_s.filter
-        if not flt.enabled:
-            return rollout.groups_per_batch
-        needed = math.ceil(rollout.groups_per_batch / flt.ratio)
-        while num_groups_to_keep(needed, flt.ratio) < rollout.groups_per_batch:
-            needed += 1
-        return needed
 
     def _drop_stale(self) -> None:
         limit = self.policy_version - self.config.rollout.max_staleness
@@ -410,9 +571,9 @@ class Controller:
         self._ready = fresh
 
     async def next_batch(self, timeout_s: float | None = None) -> Batch:
-        """Wait for enough complete, fresh groups and cut one update batch from them."""
+        """Wait for enough complete, fresh groups and cut one update batch (for step ``step + 1``)."""
         started = time.monotonic()
-        needed = self._candidates_needed()
+        needed = self.config.candidate_groups
         while True:
             if self._error is not None:
                 raise RuntimeError("the controller's background loop failed") from self._error
@@ -445,8 +606,19 @@ class Controller:
             kept, kept_ratio = candidates, 1.0
         for group in kept:
             self._dispose(group)
-        self.counters["trajectories_used"] += sum(len(g.entries) for g in kept)
-        return Batch(kept, kept_ratio, len(candidates), time.monotonic() - started)
+        batch = Batch(kept, kept_ratio, len(candidates), time.monotonic() - started)
+        self.counters["trajectories_used"] += len(batch.trajectories)
+        self._write(
+            {
+                "event": "batch",
+                "step": self.step + 1,
+                "version": self.policy_version,
+                "kept_ratio": kept_ratio,
+                "candidates": len(candidates),
+                "job_ids": [t.job_id for t in batch.trajectories],
+            }
+        )
+        return batch
 
     # -- acknowledging --------------------------------------------------------------------------
 
@@ -476,7 +648,7 @@ class Controller:
             "system/queue/trajectories_pending_ack": trajectories.pending,
             "system/queue/dead_letters": jobs.dead + trajectories.dead,
             "system/inflight_jobs": self._outstanding_jobs,
-            "system/partial_groups": len(self._partial),
+            "system/partial_groups": sum(bool(g.entries) for g in self._pending.values()),
             "system/ready_groups": len(self._ready),
         }
 
@@ -486,11 +658,8 @@ class Controller:
     # -- log ------------------------------------------------------------------------------------
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._log_file is None:
-            return
-        record = {"t": round(time.time(), 3), "lifetime": self.lifetime, **record}
-        self._log_file.write(json.dumps(record) + "\n")
-        self._log_file.flush()
+        if self._log is not None:
+            self._log.write({"t": round(time.time(), 3), "lifetime": self.lifetime, **record})
 
 
 def shape_reward(trajectory: Trajectory, invalid_penalty: float) -> Trajectory:
@@ -523,13 +692,8 @@ def untrainable_reason(trajectory: Trajectory) -> str | None:
 
 
 def read_controller_log(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/controller.jsonl`` (a torn last line is skipped)."""
-    path = Path(run_dir) / CONTROLLER_LOG
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(line))
-    return records
+    """The records of ``<run_dir>/controller.jsonl`` and its rotated files, oldest first (torn lines skipped)."""
+    return read_jsonl(Path(run_dir) / CONTROLLER_LOG)
 
 
 def trajectory_stats(trajectories: Iterable[Trajectory], policy_version: int) -> dict[str, float]:

@@ -8,33 +8,33 @@ Read top to bottom, one update is:
    gradient of the full-batch loss.
 2. Advantages under ``no_grad``: token rewards by :func:`~trainer.algorithms.place_rewards` (per
    turn when the batch has its turn structure, else the episode return on the last trainable
-   token), then the configured estimator (GAE with the critic's values; GRPO, RLOO, REINFORCE++).
-   With ``kl_coef > 0`` the reference policy's log-probs are computed here too.
+   token), then the estimator ``algorithm.advantage`` names in
+   :data:`~trainer.algorithms.registry.ADVANTAGE_ESTIMATORS` (with the critic's values when it
+   needs them), whitened over the batch's trainable tokens when ``algorithm.whiten_advantages``
+   (default on for GAE). With ``kl_coef > 0`` the reference policy's log-probs are computed here too.
 3. ``ppo_epochs`` passes over the micro-batches, one optimizer step per pass: PPO loss with
-   decoupled and dual clipping against the **behaviour** log-probs (DESIGN.md, "Weights"), minus
+   decoupled and dual clipping against the **behaviour** log-probs (docs/architecture.md, "Weights"), minus
    the entropy bonus, plus ``kl_coef`` x KL(pi || pi_ref); gradient clipping; AdamW step. The
    critic takes its own step per pass on the clipped value loss. The LR schedule advances once
    per update.
 
 Old log-probs. The trainer recomputes the log-probs of the sampled tokens with its current weights
-at the rollout temperature and logs ``rollout/logprob_gap`` = mean |recomputed - behaviour| over
-the trainable tokens (engine/trainer mismatch, stale weights). No extra forward pass is spent on
+under each trajectory's own sampling (temperature, top-k, top-p: the distribution the engine
+sampled from and reported, :func:`~trainer.algorithms.selected_logprobs_and_entropy`) and logs
+``rollout/logprob_gap`` = mean |recomputed - behaviour| over the trainable tokens (engine/trainer
+mismatch, stale weights; ~0 on-policy). No extra forward pass is spent on
 it: the first pass runs every micro-batch before the first optimizer step, so its log-probs
 *are* the current weights' log-probs, detached. (Exact for models without dropout, which RL
 fine-tuning turns off; the tiny model and Qwen2 have none.)
 
-Log-probs and entropy are computed only at trainable positions (one ``log_softmax`` shared by
-both), since most tokens of a multi-turn episode are observations.
-
 Distributed. When ``torch.distributed`` is initialised with ``world_size > 1`` the policy (and the
-critic) are sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``, each decoder layer and the
-root); ``parallel="ddp"`` replicates them with DDP instead. Both run on CPU with the gloo backend
-(tested with 2 processes) and on GPUs with NCCL under ``torchrun``. Each rank updates on its own
-batch (whole groups: GRPO/RLOO baselines and REINFORCE++ whitening are per rank); the token count
-is summed across ranks so the averaged gradient is the token mean of the global batch, and ranks
-with fewer micro-batches run zero-weight ones so every rank issues the same collectives. Metrics
-are averaged over ranks. :meth:`checkpoint_parts`, :meth:`gathered_policy` and
-:meth:`full_policy_state_dict` are collectives there: call them on every rank.
+critic) are wrapped by :class:`trainer.distributed.Parallelism` (FSDP2 by default, or DDP). Each
+rank updates on its own batch of whole groups (GRPO/RLOO baselines and REINFORCE++'s whitening
+are per rank; ``whiten_advantages`` uses the statistics of all ranks). The token count is summed
+across ranks so the averaged gradient is the token mean of the global batch, and ranks with fewer
+micro-batches run zero-weight ones (and extra critic forwards) so every rank issues the same
+collectives. Metrics are averaged over ranks. :meth:`checkpoint_parts`, :meth:`gathered_policy`
+and :meth:`full_policy_state_dict` are collectives there: call them on every rank.
 """
 
 from __future__ import annotations
@@ -43,102 +43,28 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer.algorithms import (
     aggregate_loss,
-    gae_advantages,
-    grpo_advantages,
     kl_penalty,
+    masked_whiten,
     place_rewards,
     ppo_policy_loss,
-    reinforce_plus_plus_advantages,
-    rloo_advantages,
+    selected_logprobs_and_entropy,
     value_loss,
 )
-from trainer.algorithms.losses import GREEDY_TEMPERATURE
+from trainer.algorithms.registry import CriticValues
 from trainer.batch import TrainBatch, micro_batches
 from trainer.config import TrainConfig
+from trainer.critic import ValueModel
+from trainer.distributed import Parallel, Parallelism
 
-Parallel = Literal["fsdp", "ddp"]
 STATE_FORMAT = 1
-
-
-# --------------------------------------------------------------------------------------------
-# Per-token terms at trainable positions
-# --------------------------------------------------------------------------------------------
-
-
-def selected_logprobs_and_entropy(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, S]`` log-prob of each trainable token and entropy of the distribution it was sampled
-    from, 0 elsewhere: the values of :func:`~trainer.algorithms.logprobs_from_logits` and
-    :func:`~trainer.algorithms.next_token_entropy` at the trainable positions, from one
-    ``log_softmax`` over only those rows of ``logits`` ``[B, S, V]``."""
-    positions = response_mask[:, 1:].bool()  # token t (t >= 1) is predicted by logits[:, t-1]
-    scaled = logits[:, :-1][positions].float()
-    if temperature >= GREEDY_TEMPERATURE and temperature != 1.0:
-        scaled = scaled / temperature
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    picked = log_probs.gather(-1, input_ids[:, 1:][positions].unsqueeze(-1)).squeeze(-1)
-    full_mask = torch.zeros_like(response_mask, dtype=torch.bool)
-    full_mask[:, 1:] = positions
-    zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=logits.device)
-    logprobs = zeros.masked_scatter(full_mask, picked)
-    entropy = None
-    if with_entropy:
-        per_row = -(log_probs.exp() * log_probs).sum(dim=-1)
-        entropy = zeros.masked_scatter(full_mask, per_row)
-    return logprobs, entropy
-
-
-# --------------------------------------------------------------------------------------------
-# The critic: the policy's backbone with a scalar head
-# --------------------------------------------------------------------------------------------
-
-
-class ValueModel(nn.Module):
-    """A critic of the policy's architecture: its backbone (``AutoModel``) and a linear value head.
-
-    ``forward`` returns ``[B, S]`` values aligned like the log-probs: position ``t`` holds
-    V(state before token ``t`` is sampled) = ``head(hidden[:, t-1])``; position 0 holds 0.
-    """
-
-    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    @classmethod
-    def from_policy(cls, policy: nn.Module) -> ValueModel:
-        """A copy of the policy's backbone (``policy.base_model``) with a zero-initialised head."""
-        backbone = copy.deepcopy(policy.base_model)
-        return cls(backbone, int(policy.config.hidden_size))
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> ValueModel:
-        from transformers import AutoModel
-
-        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
-        return cls(backbone, int(backbone.config.hidden_size))
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        values = self.value_head(hidden).squeeze(-1).float()
-        return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,7 +109,7 @@ class PolicyUpdater:
     model: a Hugging Face causal LM (``logits`` output); moved to ``device`` (default: where its
         parameters are). Under ``torch.distributed`` with ``world_size > 1`` it is wrapped in
         place (``parallel``: ``"fsdp"``, the default, or ``"ddp"``).
-    config: the run's :class:`TrainConfig` (``optim``, ``algorithm``, ``rollout.sampling``).
+    config: the run's :class:`TrainConfig` (``optim``, ``algorithm``).
     reference_model: the frozen policy for the KL term; with ``kl_coef > 0`` and none given, a
         frozen copy of ``model`` as it is now.
     critic: a :class:`ValueModel` to use; by default, for ``advantage: gae``, one loaded from
@@ -202,12 +128,8 @@ class PolicyUpdater:
         self.config = config
         self.optim_config = config.optim
         self.algo = config.algorithm
-        self.temperature = float(config.rollout.sampling.temperature)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.world_size = dist.get_world_size() if self.distributed else 1
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.parallel: Parallel | None = parallel if self.distributed else None
+        self.parallelism = Parallelism.current(parallel, self.device)
         bf16 = self.optim_config.bf16
         self.autocast = self.device.type == "cuda" if bf16 == "auto" else bool(bf16)
 
@@ -223,7 +145,8 @@ class PolicyUpdater:
             reference.to(self.device).eval().requires_grad_(False)
             self.reference_model = reference
         self.critic: nn.Module | None = None
-        if critic is None and self.algo.advantage == "gae":
+        self.estimator = self.algo.estimator
+        if critic is None and self.estimator.needs_critic:
             path = self.algo.critic.path
             critic = ValueModel.from_pretrained(path) if path else ValueModel.from_policy(model)
         if critic is not None:
@@ -234,8 +157,8 @@ class PolicyUpdater:
                 critic.backbone.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
-        self.model = self._wrap(model)
-        self.critic = self._wrap(critic) if critic is not None else None
+        self.model = self.parallelism.wrap(model)
+        self.critic = self.parallelism.wrap(critic) if critic is not None else None
 
         self.optimizer = self._make_optimizer(self.model, self.optim_config.lr)
         self.scheduler = self._make_scheduler(self.optimizer)
@@ -247,24 +170,6 @@ class PolicyUpdater:
         self.step = 0
 
     # -- construction --
-
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        if self.parallel is None:
-            return module
-        if self.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
-        from torch.distributed.fsdp import fully_shard
-
-        target = module.backbone if isinstance(module, ValueModel) else module
-        layer_names = set(getattr(target, "_no_split_modules", None) or [])
-        for sub in list(module.modules()):
-            if sub is not module and type(sub).__name__ in layer_names:
-                fully_shard(sub)
-        fully_shard(module)
-        return module
 
     def _make_optimizer(self, module: nn.Module, lr: float) -> torch.optim.Optimizer:
         params = [p for p in module.parameters() if p.requires_grad]
@@ -289,29 +194,11 @@ class PolicyUpdater:
     @property
     def policy(self) -> nn.Module:
         """The policy module (unwrapped from DDP; under FSDP its parameters are shards)."""
-        return getattr(self.model, "module", self.model) if self.parallel == "ddp" else self.model
+        return self.parallelism.unwrap(self.model)
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    # -- distributed helpers --
-
-    def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
-        return tensor
-
-    @contextlib.contextmanager
-    def _grad_sync(self, module: nn.Module, sync: bool) -> Iterator[None]:
-        """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch."""
-        if self.parallel == "ddp" and not sync:
-            with module.no_sync():  # type: ignore[operator]
-                yield
-            return
-        if self.parallel == "fsdp":
-            module.set_requires_gradient_sync(sync)  # type: ignore[operator]
-        yield
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.autocast:
@@ -326,13 +213,22 @@ class PolicyUpdater:
         with self._autocast():
             logits = module(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
         return selected_logprobs_and_entropy(
-            logits, micro.input_ids, micro.response_mask, self.temperature, with_entropy
+            logits,
+            micro.input_ids,
+            micro.response_mask,
+            micro.temperature,
+            micro.top_p,
+            micro.top_k,
+            with_entropy,
         )
 
     def _advantages(
-        self, batch: TrainBatch, micros: list[TrainBatch]
+        self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(advantages, returns, old_values or None)``, ``[B, S]``, under no_grad."""
+        """``(advantages, returns, old_values or None)``, ``[B, S]``, under no_grad: token rewards
+        (per turn when the batch has its turn structure), the configured estimator, then, with
+        ``algorithm.whiten_advantages``, whitening over the trainable tokens (the returns, the
+        critic's targets, stay in reward units)."""
         mask = batch.response_mask
         if batch.turn_rewards is not None:
             token_rewards = place_rewards(
@@ -340,26 +236,32 @@ class PolicyUpdater:
             )
         else:
             token_rewards = place_rewards(batch.scores, mask)
-        kind = self.algo.advantage
-        if kind == "gae":
-            values = torch.zeros_like(mask)
-            assert self.critic is not None
-            for micro in micros:
-                with self._autocast():
-                    micro.scatter_rows(values, self.critic(micro.input_ids, micro.attention_mask).float())
-            values = values * mask
-            advantages, returns = gae_advantages(token_rewards, values, mask, self.algo.gamma, self.algo.lam)
-            return advantages, returns, values
-        scores = (token_rewards * mask).sum(dim=1)
-        if kind == "grpo":
-            advantages, returns = grpo_advantages(scores, mask, batch.group_ids, norm_adv=self.algo.norm_adv)
-        elif kind == "rloo":
-            advantages, returns = rloo_advantages(scores, mask, batch.group_ids)
-        elif kind == "reinforce_pp":
-            advantages, returns = reinforce_plus_plus_advantages(token_rewards, mask, self.algo.gamma)
-        else:
-            raise ValueError(f"unknown advantage estimator {kind!r}")
-        return advantages, returns, None
+        critic_values = self._critic_values(batch, micros, num_micro) if self.critic is not None else None
+        advantages, returns = self.estimator.fn(
+            token_rewards, critic_values, mask, batch.group_ids, self.algo
+        )
+        if self.algo.whitens_advantages:
+            advantages = masked_whiten(advantages, mask, sum_over_ranks=self.parallelism.all_reduce)
+        return advantages, returns, None if critic_values is None else critic_values.values
+
+    def _critic_values(self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int) -> CriticValues:
+        """The critic's values of ``batch``, ``[B, S]`` on the response mask, and the bootstrap:
+        for a truncated row (with ``algorithm.bootstrap_truncated``) the value of the state after
+        its last real token, the state it was cut in; 0 for an episode that ended."""
+        assert self.critic is not None
+        values = torch.zeros_like(batch.response_mask)
+        final_values = torch.zeros_like(batch.scores)
+        for i in range(num_micro):  # as many forwards as the busiest rank: FSDP gathers in each
+            micro = micros[min(i, len(micros) - 1)]
+            with self._autocast():
+                out = self.critic(micro.input_ids, micro.attention_mask)
+            if i < len(micros):
+                micro.scatter_rows(values, out.values.float())
+                micro.scatter_rows(final_values, out.final_values.float())
+        bootstrap = torch.zeros_like(final_values)
+        if self.algo.bootstraps_truncated:
+            bootstrap = torch.where(batch.truncated, final_values, bootstrap)
+        return CriticValues(values * batch.response_mask, bootstrap)
 
     def _denominator(self, batch: TrainBatch) -> float:
         """What each micro-batch's loss sum is divided by, so summed over micro-batches (and
@@ -368,23 +270,20 @@ class PolicyUpdater:
             local = batch.response_mask.sum()
         else:
             local = (batch.response_mask.sum(dim=1) > 0).float().sum()
-        total = self._all_reduce(local.detach().clone().float())
-        return max(float(total), 1.0) / self.world_size
+        total = self.parallelism.all_reduce(local.detach().clone().float())
+        return max(float(total), 1.0) / self.parallelism.world_size
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One update on ``batch`` (this rank's share under distributed); returns its metrics."""
         start = time.perf_counter()
         batch = batch.to(self.device)
         micros = micro_batches(batch, self.optim_config.micro_batch_tokens)
-        num_micro = len(micros)
-        if self.distributed:
-            count = torch.tensor([num_micro], device=self.device)
-            num_micro = int(self._all_reduce(count, dist.ReduceOp.MAX))
+        num_micro = self.parallelism.all_reduce_max(len(micros))
         denominator = self._denominator(batch)
         mask = batch.response_mask
 
         with torch.no_grad():
-            advantages, returns, old_values = self._advantages(batch, micros)
+            advantages, returns, old_values = self._advantages(batch, micros, num_micro)
             ref_logprobs: list[torch.Tensor | None] = [None] * len(micros)
             if self.reference_model is not None:
                 for i, micro in enumerate(micros):
@@ -413,7 +312,7 @@ class PolicyUpdater:
             self.optimizer.zero_grad(set_to_none=True)
             for i in range(num_micro):
                 last = i == num_micro - 1
-                with self._grad_sync(self.model, last):
+                with self.parallelism.grad_sync(self.model, last):
                     if i >= len(micros):  # keeps collectives in step with ranks that have more
                         self._dummy_backward(self.model, micros[-1])
                         continue
@@ -458,13 +357,13 @@ class PolicyUpdater:
                 assert old_values is not None and self.critic_optimizer is not None
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 for i in range(num_micro):
-                    with self._grad_sync(self.critic, i == num_micro - 1):
+                    with self.parallelism.grad_sync(self.critic, i == num_micro - 1):
                         if i >= len(micros):
                             self._dummy_backward(self.critic, micros[-1])
                             continue
                         micro = micros[i]
                         with self._autocast():
-                            values = self.critic(micro.input_ids, micro.attention_mask).float()
+                            values = self.critic(micro.input_ids, micro.attention_mask).values.float()
                         vf_loss, vstats = value_loss(
                             values,
                             micro.gather_rows(old_values),
@@ -494,7 +393,7 @@ class PolicyUpdater:
                     (advantages * mask).sum(),
                 ]
             ).float()
-            totals = self._all_reduce(local.clone())
+            totals = self.parallelism.all_reduce(local.clone())
         tokens_weight = max(token_weight_total, 1.0)
         metric_values = {
             "train/pg_loss": sums["pg_loss"] / epochs,
@@ -511,13 +410,13 @@ class PolicyUpdater:
         # pg_loss, entropy, kl and vf_loss already are global means (their sum over ranks /
         # world_size); the others are this rank's, averaged over ranks here.
         rank_means = ["train/clipfrac", "train/dual_clipfrac", "train/approx_kl", "train/vf_clipfrac"]
-        if self.distributed:
+        if self.parallelism.distributed:
             keys = list(metric_values)
             packed = torch.tensor([metric_values[k] for k in keys], dtype=torch.float64, device=self.device)
-            self._all_reduce(packed)
+            self.parallelism.all_reduce(packed)
             for key, value in zip(keys, packed.tolist(), strict=True):
                 if key in rank_means or key.endswith("grad_norm"):
-                    metric_values[key] = value / self.world_size
+                    metric_values[key] = value / self.parallelism.world_size
                 else:
                     metric_values[key] = value
         elapsed = time.perf_counter() - start
@@ -541,7 +440,7 @@ class PolicyUpdater:
         row = micro.select([0])
         with self._autocast():
             out = module(input_ids=row.input_ids, attention_mask=row.attention_mask)
-        tensor = out.logits if hasattr(out, "logits") else out
+        tensor = out.logits if hasattr(out, "logits") else out.values
         (tensor.float().sum() * 0.0).backward()
 
     def _clip_and_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -559,49 +458,13 @@ class PolicyUpdater:
 
     # -- state --
 
-    def _full_model_state(self, module: nn.Module, rank0_only: bool) -> dict[str, Any]:
-        if self.parallel == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-            return get_model_state_dict(module, options=options)
-        inner = getattr(module, "module", module) if self.parallel == "ddp" else module
-        return inner.state_dict()
-
-    def _set_full_model_state(self, module: nn.Module, state: dict[str, Any]) -> None:
-        if self.parallel == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
-            return
-        inner = getattr(module, "module", module) if self.parallel == "ddp" else module
-        inner.load_state_dict(state)
-
-    def _full_optim_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self.parallel == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_optimizer_state_dict(module, optimizer, options=options)
-        return optimizer.state_dict()
-
-    def _set_full_optim_state(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        if self.parallel == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-            return
-        optimizer.load_state_dict(state)
-
     def _critic_state(self) -> dict[str, Any] | None:
         if self.critic is None:
             return None
         assert self.critic_optimizer is not None and self.critic_scheduler is not None
         return {
-            "model": self._full_model_state(self.critic, rank0_only=True),
-            "optimizer": self._full_optim_state(self.critic, self.critic_optimizer),
+            "model": self.parallelism.full_model_state(self.critic, rank0_only=True),
+            "optimizer": self.parallelism.full_optim_state(self.critic, self.critic_optimizer),
             "scheduler": self.critic_scheduler.state_dict(),
         }
 
@@ -609,12 +472,12 @@ class PolicyUpdater:
         if self.critic is None:
             raise ValueError("this updater has no critic to load a critic state into")
         assert self.critic_optimizer is not None and self.critic_scheduler is not None
-        self._set_full_model_state(self.critic, state["model"])
-        self._set_full_optim_state(self.critic, self.critic_optimizer, state["optimizer"])
+        self.parallelism.set_full_model_state(self.critic, state["model"])
+        self.parallelism.set_full_optim_state(self.critic, self.critic_optimizer, state["optimizer"])
         self.critic_scheduler.load_state_dict(state["scheduler"])
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
-        self._set_full_optim_state(self.model, self.optimizer, state)
+        self.parallelism.set_full_optim_state(self.model, self.optimizer, state)
 
     def _load_scheduler(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
@@ -626,7 +489,7 @@ class PolicyUpdater:
         return {
             "format": STATE_FORMAT,
             "step": self.step,
-            "optimizer": self._full_optim_state(self.model, self.optimizer),
+            "optimizer": self.parallelism.full_optim_state(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "critic": self._critic_state(),
         }
@@ -656,7 +519,8 @@ class PolicyUpdater:
             critic = _StatePart(self._critic_state() if snap else None, self._load_critic_state)
         return {
             "optimizer": _StatePart(
-                self._full_optim_state(self.model, self.optimizer) if snap else None, self._load_optimizer
+                self.parallelism.full_optim_state(self.model, self.optimizer) if snap else None,
+                self._load_optimizer,
             ),
             "scheduler": _StatePart(self.scheduler.state_dict() if snap else None, self._load_scheduler),
             "critic": critic,
@@ -665,7 +529,7 @@ class PolicyUpdater:
     def full_policy_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The policy's full (unsharded) state dict; under FSDP a collective, and with
         ``rank0_only`` only rank 0 gets it (on CPU), the others an empty dict."""
-        return self._full_model_state(self.model, rank0_only)
+        return self.parallelism.full_model_state(self.model, rank0_only)
 
     def gathered_policy(self) -> nn.Module | None:
         """A plain Hugging Face model with the full current weights, for ``save_pretrained``.
@@ -673,10 +537,10 @@ class PolicyUpdater:
         Single process and DDP: the policy itself. FSDP: a collective; rank 0 gets a CPU copy
         built from the policy's config, the other ranks None.
         """
-        if self.parallel != "fsdp":
+        if self.parallelism.mode != "fsdp":
             return self.policy
         state = self.full_policy_state_dict(rank0_only=True)
-        if self.rank != 0:
+        if self.parallelism.rank != 0:
             return None
         from transformers import AutoModelForCausalLM
 
@@ -690,7 +554,7 @@ class PolicyUpdater:
         from services.policy import load_state_dict as load_weights_file
         from services.policy import load_weights_into
 
-        if self.parallel == "fsdp":
-            self._set_full_model_state(self.model, load_weights_file(path))
+        if self.parallelism.mode == "fsdp":
+            self.parallelism.set_full_model_state(self.model, load_weights_file(path))
         else:
             load_weights_into(self.policy, path)

@@ -18,7 +18,10 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from transformers import PreTrainedModel
 
-from rollout_server.engine.protocol import (
+from rollout_server.engine.sampling import SequenceSampling
+from rollout_server.engine.scheduler import Engine, EngineFull, PauseMode, Sequence
+from rollout_server.engine.settings import EngineSettings
+from services.engine_protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,9 +41,6 @@ from rollout_server.engine.protocol import (
     WeightVersionUpdate,
     WeightVersionUpdated,
 )
-from rollout_server.engine.sampling import SamplingParams
-from rollout_server.engine.scheduler import Engine, EngineFull, PauseMode, Sequence
-from rollout_server.engine.settings import EngineSettings
 from services.errors import bad_request, not_found, too_many
 from services.http_app import create_app
 from services.policy import PolicyLoadError
@@ -95,7 +95,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
 
 
 async def _generate(
-    state: EngineState, prompt: list[int], params: SamplingParams, n: int, seed: int | None
+    state: EngineState, prompt: list[int], params: SequenceSampling, n: int, seed: int | None
 ) -> list[Sequence]:
     """Run ``n`` samples of ``prompt`` on the engine thread (seed + i each) and wait for them."""
     sequences = [
@@ -139,15 +139,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
     prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
     limits = [value for value in (body.max_tokens, body.max_completion_tokens) if value is not None]
     max_tokens = min(limits) if limits else max(1, state.settings.max_model_len - len(prompt))
-    params = SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        max_tokens=max_tokens,
-        seed=body.seed,
-        stop_token_ids=frozenset(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-    )
+    params = _sequence_sampling(body, max_tokens)
     _check_length(prompt, params.max_tokens, state.settings.max_model_len)
     sequences = await _generate(state, prompt, params, body.n, body.seed)
     choices = [
@@ -183,11 +175,15 @@ def _prompt_ids(body: CompletionRequest, state: EngineState) -> list[int]:
     return prompt
 
 
-def _sampling_params(body: CompletionRequest) -> SamplingParams:
+def _sampling_params(body: CompletionRequest) -> SequenceSampling:
     if body.logprobs not in (None, 0):
         raise bad_request("unsupported", "logprobs must be 0 (the sampled token's log-prob) or omitted")
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    return SamplingParams(
+    return _sequence_sampling(body, 16 if body.max_tokens is None else body.max_tokens)
+
+
+def _sequence_sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SequenceSampling:
+    """A request's sampling fields, unset ones at vLLM's defaults (T=1, top-p 1, no top-k)."""
+    return SequenceSampling(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,

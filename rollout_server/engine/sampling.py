@@ -2,7 +2,8 @@
 
 The log-prob returned for a sampled token is that of the distribution it was actually drawn from:
 logits divided by the temperature, then cut by top-k and top-p and renormalised (vLLM's
-``--logprobs-mode processed_logprobs``). That is the behaviour log-prob PPO's ratio needs, and
+``--logprobs-mode processed_logprobs``; :func:`services.logits.processed_logprobs`, which the
+trainer recomputes them with). That is the behaviour log-prob PPO's ratio needs, and
 it is what vLLM reports, so the trainer cannot tell the two engines apart. A greedy row
 (temperature 0) takes the argmax and reports ``log_softmax(logits)`` of it, as vLLM does.
 
@@ -17,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under this is greedy
+from services.logits import GREEDY_BELOW, processed_logprobs
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SequenceSampling:
     """What one request asks of the sampler and of the stopping rules."""
 
     temperature: float = 1.0
@@ -35,38 +36,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
-
-
-def processed_logprobs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
-) -> torch.Tensor:
-    """``[rows, vocab]`` log-probs of each row's sampling distribution (``-inf`` where cut away).
-
-    ``temperature``, ``top_p`` and ``top_k`` are ``[rows]``; greedy rows (temperature below
-    :data:`GREEDY_BELOW`) are neither scaled nor cut. Top-k keeps every token tied with the k-th;
-    top-p keeps the smallest set of most likely tokens whose mass reaches ``p`` (at least one),
-    both as vLLM's ``apply_top_k_top_p`` does.
-    """
-    greedy = temperature < GREEDY_BELOW
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits.float() / scale.unsqueeze(1)
-    vocab = scaled.shape[1]
-    k = torch.where(greedy | (top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
-    p = torch.where(greedy, torch.ones_like(top_p), top_p)
-    if bool((k < vocab).any()) or bool((p < 1.0).any()):
-        scaled = _cut(scaled, k, p)
-    return torch.log_softmax(scaled, dim=-1)
-
-
-def _cut(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    ascending, order = logits.sort(dim=-1)
-    vocab = logits.shape[1]
-    kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
-    ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
-    below_p = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - p).unsqueeze(1)
-    below_p[:, -1] = False  # the most likely token always stays
-    ascending = ascending.masked_fill(below_p, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
 def sample(

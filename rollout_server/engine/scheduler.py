@@ -34,7 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rollout_server.engine.kv_cache import BatchKVCache
 from rollout_server.engine.prefix_cache import PrefixCache
-from rollout_server.engine.sampling import SamplingParams, sample
+from rollout_server.engine.sampling import SequenceSampling, sample
 from services.policy import load_weights_into
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Sequence:
     """
 
     prompt: list[int]
-    params: SamplingParams
+    params: SequenceSampling
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None

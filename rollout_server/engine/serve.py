@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from rollout_server.engine.settings import EngineSettings
+from services.serving import run_service, settings_from_flags
 
 
 def serve_command(
@@ -40,14 +41,13 @@ def serve_command(
         "threads": threads,
         "prefix_cache_mb": prefix_cache_mb,
     }
-    settings = EngineSettings(**{key: value for key, value in overrides.items() if value is not None})
+    settings = settings_from_flags(EngineSettings, overrides)
     if not (Path(settings.model) / "config.json").is_file():
         raise typer.BadParameter(
             f"{settings.model!r} is not a Hugging Face model directory", param_hint="--model"
         )
-    # torch, transformers and uvicorn load here: every `stargym` command imports this module.
+    # torch and transformers load here: every `stargym` command imports this module.
     import torch
-    import uvicorn
 
     from rollout_server.engine.app import build_app
     from rollout_server.engine.scheduler import Engine
@@ -71,15 +71,7 @@ def serve_command(
         extra_stop_token_ids=_generation_eos(loaded) - {eos},
         prefix_cache_bytes=int(settings.prefix_cache_mb * 2**20),
     )
-    uvicorn.run(
-        build_app(engine, loaded, tokenizer, settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-    )
+    run_service(build_app(engine, loaded, tokenizer, settings), settings)
 
 
 def _generation_eos(model) -> frozenset[int]:

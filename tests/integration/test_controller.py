@@ -6,14 +6,18 @@ exact and fast; the whole system with real workers is tested in tests/e2e/.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis
+from conftest import eventually
 
 from services.queue import connect, job_queue, trajectory_queue
 from services.rollout_protocol import RolloutJob, Trajectory, Turn
+from trainer.audit_log import RotatingJsonl
 from trainer.config import TrainConfig
 from trainer.controller import Controller, read_controller_log, shape_reward
 
@@ -133,7 +137,7 @@ async def test_batches_complete_groups_drops_stale_and_untrainable_acks_on_commi
     finally:
         await controller.close()
     events = [record["event"] for record in read_controller_log(tmp_path)]
-    assert {"start", "issue", "consume", "drop", "commit"} <= set(events)
+    assert {"start", "issue", "group", "drop", "batch", "commit"} <= set(events)
 
 
 async def test_starpo_s_keeps_the_highest_std_groups(client: redis.asyncio.Redis, tmp_path: Path) -> None:
@@ -195,3 +199,141 @@ def test_invalid_turns_are_penalised() -> None:
     shaped = shape_reward(invalid, -0.5)  # one turn of two invalid: -0.5 x 1/2
     assert shaped.reward == pytest.approx(0.75) and shaped.turns[0].reward == pytest.approx(-0.25)
     assert shape_reward(base, -0.1) is base
+
+
+async def answer_jobs(
+    conn: redis.asyncio.Redis, reward_of=lambda job: float(job.job_id[-1] in "02468")
+) -> None:
+    """Play every job as a rollout worker would, until cancelled."""
+    jobs = job_queue(conn)
+    trajectories = trajectory_queue(conn)
+    while True:
+        deliveries = await jobs.consume("test-worker", count=256, block_ms=200)
+        if deliveries:
+            await trajectories.publish_many(
+                [trajectory(d.model, reward_of(d.model), d.model.policy_version) for d in deliveries]
+            )
+            await jobs.ack([d.entry_id for d in deliveries])
+
+
+async def test_starpo_s_with_default_sizes_gets_its_batch(
+    client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    # The regression: 16 kept groups at ratio 0.25 need 64 complete groups of 8 (512 jobs) at once,
+    # and the in-flight limit used to stop at 256, so next_batch waited forever.
+    config = TrainConfig.from_dict({"preset": "starpo_s", "envs": {"mix": [{"id": "game/bandit"}]}})
+    controller = Controller(config, client, run_dir=tmp_path)
+    await controller.start()
+    worker = asyncio.create_task(answer_jobs(client))
+    try:
+        batch = await controller.next_batch(timeout_s=60)
+        assert batch.candidates == 64 and len(batch.groups) == 16 and batch.kept_ratio == 0.25
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+        await controller.close()
+
+
+def timeout_config(timeout_s: float) -> TrainConfig:
+    return make_config(groups_per_batch=1, max_inflight=2, group_timeout_s=timeout_s)
+
+
+async def test_a_group_never_answered_is_reissued_once_then_dropped(
+    client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    controller = Controller(timeout_config(0.5), client, run_dir=tmp_path)
+    await controller.start()
+    try:
+        first = await issued_jobs(client, 10)  # taken by a worker that then died: never answered
+        assert len(first) == 2 and controller.outstanding == 2
+        again = await eventually(lambda: issued_jobs(client, 10), "the re-issue", deadline_s=10)
+        assert [job.job_id for job in again] == [f"{job.job_id}-r1" for job in first]
+        assert [(j.group_id, j.seed, j.sampling.seed, j.max_turns) for j in again] == [
+            (j.group_id, j.seed, j.sampling.seed, j.max_turns) for j in first
+        ]
+        assert controller.counters["groups_reissued"] == 1
+        # Never answered either: the group is dropped, counted, and its slots go to a new group.
+        fresh = await eventually(lambda: issued_jobs(client, 10), "a new group", deadline_s=10)
+        assert controller.counters["groups_timed_out"] == 1
+        assert {job.seed for job in fresh} == {101} and fresh[0].group_id != first[0].group_id
+        assert controller.outstanding == 2
+        # A member of the dropped group that turns up late is counted and never trained on.
+        await trajectory_queue(client).publish(trajectory(first[0], 1.0))
+        for job in fresh:
+            await trajectory_queue(client).publish(trajectory(job, float(job.job_id.endswith("0"))))
+        batch = await controller.next_batch(timeout_s=10)
+        assert {t.job_id for t in batch.trajectories} == {job.job_id for job in fresh}
+        assert controller.counters["late"] == 1
+        assert await controller.commit(step=1) == 3  # the late one is acked too
+    finally:
+        await controller.close()
+    drops = [r for r in read_controller_log(tmp_path) if r["event"] == "drop"]
+    assert [d["kind"] for d in drops] == ["timed_out"]
+
+
+async def test_a_lost_member_is_reissued_and_completes_its_group(
+    client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    controller = Controller(timeout_config(0.5), client, run_dir=tmp_path)
+    await controller.start()
+    trajectories = trajectory_queue(client)
+    try:
+        kept, lost = await issued_jobs(client, 10)
+        await trajectories.publish(trajectory(kept, 1.0))
+        (again,) = await eventually(lambda: issued_jobs(client, 10), "the re-issue", deadline_s=10)
+        assert again.job_id == f"{lost.job_id}-r1" and again.sampling.seed == lost.sampling.seed
+        await trajectories.publish(trajectory(again, 0.0))
+        batch = await controller.next_batch(timeout_s=10)
+        assert [t.job_id for t in batch.trajectories] == [kept.job_id, again.job_id]
+        # The original turns up after all: its group was used already, so it is acked unused.
+        await trajectories.publish(trajectory(lost, 0.5))
+        await eventually(lambda: _async(controller.counters["late"] == 1), "the late original")
+        assert controller.counters["groups_timed_out"] == 0
+        assert await controller.commit(step=1) == 3
+    finally:
+        await controller.close()
+
+
+async def _async(value: object) -> object:
+    return value
+
+
+def test_the_audit_log_rotates_and_reads_back_across_files(tmp_path: Path) -> None:
+    log = RotatingJsonl(tmp_path / "controller.jsonl", max_bytes=200, keep=2)
+    for index in range(40):
+        log.write({"event": "issue", "index": index})
+    log.close()
+    files = sorted(path.name for path in tmp_path.iterdir())
+    assert files == ["controller.jsonl", "controller.jsonl.1", "controller.jsonl.2"]
+    assert all(path.stat().st_size < 200 + 40 for path in tmp_path.iterdir())
+    indices = [record["index"] for record in read_controller_log(tmp_path)]
+    assert indices == list(range(indices[0], 40)) and indices[0] > 0  # oldest rotations deleted
+    (tmp_path / "controller.jsonl").open("a").write('{"event": "torn')
+    assert [record["index"] for record in read_controller_log(tmp_path)] == indices
+
+
+async def test_batches_are_logged_by_job_id_and_the_log_stays_small(
+    client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    controller = Controller(make_config(max_inflight=4), client, run_dir=tmp_path)
+    await controller.start()
+    worker = asyncio.create_task(answer_jobs(client))
+    try:
+        used = []
+        for step in range(1, 4):
+            batch = await controller.next_batch(timeout_s=10)
+            used.append([t.job_id for t in batch.trajectories])
+            controller.set_progress(step, step)
+            await controller.commit(step)
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+        await controller.close()
+    records = read_controller_log(tmp_path)
+    batches = [r for r in records if r["event"] == "batch"]
+    assert [b["step"] for b in batches] == [1, 2, 3]
+    assert [b["job_ids"] for b in batches] == used
+    jobs = sum(len(r["job_ids"]) for r in records if r["event"] == "issue")
+    assert (tmp_path / "controller.jsonl").stat().st_size / jobs < 300  # bytes per job, all records

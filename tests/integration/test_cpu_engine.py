@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import RunningServer, free_port, start_server, stop_server, wait_until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy.model_init import init_tiny_model
@@ -239,14 +238,13 @@ def counter(url: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE).group(1))
 
 
-def wait_for_in_flight(url: str, count: int, deadline_s: float = 30.0) -> None:
-    """Poll /metrics until ``count`` sequences are admitted: no guessing how long a request takes to arrive."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if counter(url, "engine_sequences_in_flight") == count:
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"never saw {count} sequences in flight")
+def wait_for_in_flight(url: str, count: int) -> None:
+    """Wait until ``count`` sequences are admitted: no guessing how long a request takes to arrive."""
+    wait_until(
+        lambda: counter(url, "engine_sequences_in_flight") == count,
+        f"{count} sequences in flight",
+        interval_s=0.01,
+    )
 
 
 def test_a_prompt_extending_an_earlier_one_reuses_its_kv(engine: RunningServer, prompt: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""The env HTTP API of DESIGN.md against real uvicorn servers on free loopback ports.
+"""The env HTTP API of docs/architecture.md against real uvicorn servers on free loopback ports.
 
 Generic behaviour is shown with ``game/bandit``; properties every env must have (determinism by
 seed, invalid actions as observations, no crosstalk) run for every env id the game server lists.

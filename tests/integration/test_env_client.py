@@ -18,7 +18,7 @@ import pytest
 from conftest import RunningServer, free_port, start_server, stop_server
 
 from services.env_client import EnvClient, EnvConnectionError, EnvServerError, EnvTimeoutError
-from services.protocol import (
+from services.env_protocol import (
     BatchStepOutcome,
     EnvSpec,
     Health,

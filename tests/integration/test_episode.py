@@ -4,7 +4,8 @@ What a trajectory must hold for training: token ids, loss mask and log-probs ali
 tokens exactly what was sampled; behaviour log-probs that a fresh transformers forward pass over
 the whole context reproduces; a prompt that is the env instruction and observations under the
 chat template, extended turn by turn. Plus the ends of an episode (env done, max_turns, context
-limit), the answer-tags format, failures, and the engine client on its own.
+limit), what a truncated episode keeps after its last reply, the answer-tags format, failures,
+and the engine client on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from conftest import RunningServer, free_port, start_server, stop_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -112,12 +115,25 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def tail_length(trajectory: Trajectory) -> int:
+    """Tokens after the last sampled one: the state a truncated episode was cut in (else none)."""
+    sampled = [i for i, m in enumerate(trajectory.loss_mask) if m]
+    return len(trajectory.token_ids) - (sampled[-1] + 1 if sampled else 0)
+
+
 def check_aligned(trajectory: Trajectory) -> None:
     n = len(trajectory.token_ids)
     assert len(trajectory.loss_mask) == len(trajectory.logprobs) == n
     assert all(lp == 0.0 for lp, m in zip(trajectory.logprobs, trajectory.loss_mask, strict=True) if m == 0)
     assert all(lp < 0.0 for lp, m in zip(trajectory.logprobs, trajectory.loss_mask, strict=True) if m == 1)
-    assert sum(turn.prompt_tokens + turn.response_tokens for turn in trajectory.turns) == n
+    tail = tail_length(trajectory)
+    assert sum(turn.prompt_tokens + turn.response_tokens for turn in trajectory.turns) + tail == n
+    # An episode the env finished ends with its last reply; a truncated one that has played a turn
+    # (and was not refused by the engine) ends with the next observation appended.
+    if trajectory.turns[-1].done:
+        assert tail == 0
+    else:
+        assert trajectory.truncated and tail > 0
     assert trajectory.num_turns == len(trajectory.turns) >= 1
     assert trajectory.reward == pytest.approx(sum(turn.reward for turn in trajectory.turns))
     # Turn by turn: a prompt block (mask 0) then the reply (mask 1), in order, of the recorded sizes.
@@ -161,10 +177,13 @@ def check_prompt_text(trajectory: Trajectory, tokenizer: Any, instruction: str) 
     for index, (start, end) in enumerate(blocks[1:]):
         ended = trajectory.token_ids[replies[index][1] - 1] == tokenizer.convert_tokens_to_ids(IM_END)
         closing = "\n" if ended else f"{IM_END}\n"
+        text = tokenizer.decode(trajectory.token_ids[start:end])
+        if index + 1 == len(trajectory.turns):  # a truncated episode's final observation, in no turn
+            assert text.startswith(f"{closing}{IM_START}user\n")
+            assert text.endswith(f"{IM_END}\n{IM_START}assistant\n")
+            continue
         observation = trajectory.turns[index + 1].observation
-        assert tokenizer.decode(trajectory.token_ids[start:end]) == (
-            f"{closing}{IM_START}user\n{observation}{IM_END}\n{IM_START}assistant\n"
-        )
+        assert text == f"{closing}{IM_START}user\n{observation}{IM_END}\n{IM_START}assistant\n"
 
 
 def check_logprobs(trajectory: Trajectory, model: Any) -> None:
@@ -297,7 +316,8 @@ async def test_context_limit_truncates(
             FROZENLAKE, 0, max_turns=6, sampling=SamplingParams(temperature=TEMPERATURE, seed=seed)
         )
         trajectory = await run_episode(job, envs, engine, tokenizer, instruction, 1, max_model_len=limit)
-        assert len(trajectory.token_ids) <= limit
+        # What went to the engine fits; the final observation after it need not (it never goes there).
+        assert len(trajectory.token_ids) - tail_length(trajectory) <= limit
         assert trajectory.token_ids[: len(prompt)] == prompt
         assert trajectory.num_turns == 1 and trajectory.turns[0].response_tokens <= 3
         assert trajectory.truncated == (not trajectory.turns[0].done)
@@ -334,8 +354,56 @@ async def test_max_turns_ends_the_episode(
         trajectory = await run_episode(job, envs, engine, tokenizer, instructions[FROZENLAKE], 0)
         assert trajectory.num_turns == 1
         assert trajectory.truncated == (not trajectory.turns[0].done)
-        # Nothing is appended after the last turn: the context ends with the reply.
-        assert trajectory.loss_mask[-1] == 1
+        check_aligned(trajectory)
+
+
+async def test_truncated_episode_ends_in_the_state_it_was_cut_in(
+    envs: EnvClient, engine: EngineClient, tokenizer: Any, instructions: dict[str, str]
+) -> None:
+    """Cut by max_turns, the context ends with the next observation exactly as the next turn would
+    have appended it (closing text, user message, generation prompt; mask 0, log-prob 0.0), so the
+    trainer can bootstrap V there; the same episode given one more turn continues from those ids."""
+    instruction = instructions[FROZENLAKE]
+    checked = 0
+    for seed in range(6):
+        cut = await run_episode(
+            make_job(FROZENLAKE, seed, max_turns=2), envs, engine, tokenizer, instruction, 0
+        )
+        if not cut.truncated:
+            continue  # the env finished within two turns: nothing was cut
+        longer = await run_episode(
+            make_job(FROZENLAKE, seed, max_turns=3), envs, engine, tokenizer, instruction, 0
+        )
+        checked += 1
+        tail = tail_length(cut)
+        assert tail > 0 and cut.num_turns == 2
+        assert cut.loss_mask[-tail:] == [0] * tail and cut.logprobs[-tail:] == [0.0] * tail
+        # The tail is the third turn's prompt block of the longer episode, token for token.
+        assert longer.token_ids[: len(cut.token_ids)] == cut.token_ids
+        assert longer.turns[2].prompt_tokens == tail
+        assert longer.loss_mask[len(cut.token_ids)] == 1  # the next token was sampled
+        assert tokenizer.decode(cut.token_ids[-tail:]).endswith(f"{IM_START}assistant\n")
+        check_aligned(cut)
+    assert checked, "a random policy should not finish every frozenlake episode in two turns"
+
+
+async def test_context_limit_keeps_the_observation_that_did_not_fit(
+    envs: EnvClient, engine: EngineClient, tokenizer: Any, instructions: dict[str, str]
+) -> None:
+    """Cut by the context limit, the next observation is appended although it does not fit."""
+    instruction = instructions[FROZENLAKE]
+    created = await envs.create(FROZENLAKE, seed=0)
+    await envs.close(created.instance_id)
+    prompt = ChatFormat(tokenizer).first_prompt(f"{instruction}\n\n{created.observation}")
+    job = make_job(FROZENLAKE, 0, max_turns=6, sampling=SamplingParams(temperature=0.0, max_tokens=1))
+    free = await run_episode(job, envs, engine, tokenizer, instruction, 0)
+    assert free.num_turns >= 2 and not free.turns[0].done  # greedy: the first step does not finish
+    limit = len(prompt) + 1 + free.turns[1].prompt_tokens - 1  # one token short of a second reply
+    cut = await run_episode(job, envs, engine, tokenizer, instruction, 0, max_model_len=limit)
+    assert cut.truncated and cut.num_turns == 1
+    assert len(cut.token_ids) == limit + 1 > limit
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+    assert tail_length(cut) == free.turns[1].prompt_tokens
 
 
 async def test_answer_tags_penalise_unparsable_replies(
@@ -369,21 +437,15 @@ async def test_answer_tags_penalise_unparsable_replies(
 
 
 class ScriptedEngine:
-    """Answers with fixed token ids (as an engine would), after ``busy`` 429s."""
+    """Answers with fixed token ids, as an engine would."""
 
-    def __init__(self, tokenizer: Any, reply: str, busy: int = 0) -> None:
+    def __init__(self, tokenizer: Any, reply: str) -> None:
         self.ids = tokenizer.encode(reply, add_special_tokens=False)
         self.text = reply
-        self.busy = busy
-        self.calls = 0
 
     async def complete(
         self, prompt_ids: list[int], sampling: SamplingParams, stop_token_ids: Any, **_: Any
     ) -> Completion:
-        self.calls += 1
-        if self.busy:
-            self.busy -= 1
-            raise EngineBusyError(429, "engine_full", "full", "POST", "scripted", retry_after=0.01)
         return Completion(self.ids, [-0.5] * len(self.ids), self.text, "stop")
 
 
@@ -393,33 +455,14 @@ async def test_answer_tags_actions_reach_the_env(
     """Parsed actions, at most max_actions_per_turn of them, go to the env in one step."""
     created = await envs.create(FROZENLAKE, seed=0)
     await envs.close(created.instance_id)
-    engine = ScriptedEngine(tokenizer, "<think>go</think><answer>Down || Down || Down</answer>", busy=2)
+    engine = ScriptedEngine(tokenizer, "<think>go</think><answer>Down || Down || Down</answer>")
     job = make_job(
         FROZENLAKE, 0, max_turns=1, action_format="answer_tags", options={"max_actions_per_turn": 2}
     )
     trajectory = await run_episode(job, envs, engine, tokenizer, instructions[FROZENLAKE], 0)  # type: ignore[arg-type]
     turn = trajectory.turns[0]
     assert turn.actions == ["Down", "Down"] and turn.response == engine.text
-    assert engine.calls == 3 and trajectory.timings["busy_wait_s"] > 0  # backed off twice on 429
     assert turn.valid  # Down is always a legal move (at the edge the player stays)
-
-
-async def test_busy_engine_gives_up_after_the_timeout(
-    envs: EnvClient, tokenizer: Any, instructions: dict[str, str]
-) -> None:
-    before = await instance_ids(envs)
-    engine = ScriptedEngine(tokenizer, "Left", busy=10**6)
-    with pytest.raises(EngineBusyError):
-        await run_episode(
-            make_job(FROZENLAKE, 0),
-            envs,
-            engine,
-            tokenizer,
-            instructions[FROZENLAKE],
-            0,
-            busy_timeout_s=0.2,  # type: ignore[arg-type]
-        )
-    assert await instance_ids(envs) <= before  # closed although the episode failed
 
 
 async def test_env_errors_are_typed(envs: EnvClient, engine: EngineClient, tokenizer: Any) -> None:
@@ -492,10 +535,10 @@ async def test_engine_client_balances_over_servers() -> None:
         EngineClient("http://a:1", balance="random")
 
 
-def test_completion_body_sends_only_declared_fields() -> None:
+def test_completion_request_sends_only_declared_fields() -> None:
     client = EngineClient("http://a:1")
     sampling = SamplingParams(temperature=0.5, top_p=0.9, max_tokens=12)
-    body = client.completion_body([1, 2], sampling, [5, 3, 5])
+    body = client.completion_request([1, 2], sampling, [5, 3, 5]).model_dump(exclude_unset=True)
     assert body == {
         "prompt": [1, 2],
         "max_tokens": 12,
@@ -505,8 +548,45 @@ def test_completion_body_sends_only_declared_fields() -> None:
         "return_token_ids": True,
         "stop_token_ids": [3, 5],
     }
-    body = EngineClient("http://a:1", model="tiny").completion_body(
-        [1], SamplingParams(top_k=5, seed=2), None, max_tokens=3, seed=9
+    body = (
+        EngineClient("http://a:1", model="tiny")
+        .completion_request([1], SamplingParams(top_k=5, seed=2), None, max_tokens=3, seed=9)
+        .model_dump(exclude_unset=True)
     )
     assert body["model"] == "tiny" and body["top_k"] == 5 and body["seed"] == 9 and body["max_tokens"] == 3
     assert "stop_token_ids" not in body
+
+
+async def test_engine_client_waits_out_429_and_only_there() -> None:
+    """A 429 is retried inside the client (Retry-After honoured, counted) until busy_timeout_s,
+    then raised as EngineBusyError; the episode loop above it never retries it again."""
+    busy = {"left": 2, "requests": 0}
+
+    async def completions(request: web.Request) -> web.Response:
+        busy["requests"] += 1
+        if busy["left"]:
+            busy["left"] -= 1
+            body = {"error": {"code": "engine_full", "message": "full"}}
+            return web.json_response(body, status=429, headers={"Retry-After": "0.01"})
+        choice = {"index": 0, "text": "Left", "token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}}
+        return web.json_response(
+            {"model": "m", "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    waits: list[int] = []
+    try:
+        async with EngineClient(url, backoff_s=0.01, on_busy=lambda: waits.append(1)) as client:
+            completion = await client.complete([1], SamplingParams())
+            assert completion.token_ids == [7] and completion.busy_wait_s > 0
+            assert busy["requests"] == 3 and len(waits) == 2
+        busy["left"] = 10**6
+        async with EngineClient(url, backoff_s=0.01, busy_timeout_s=0.05) as impatient:
+            with pytest.raises(EngineBusyError, match="full"):
+                await impatient.complete([1], SamplingParams())
+    finally:
+        await server.close()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import pytest
-from conftest import free_port
+from conftest import eventually, free_port
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from deploy.redis_local import local_redis, redis_reachable, start_redis_server
 from services.queue import (
     Delivery,
     QueueDepth,
@@ -24,7 +25,6 @@ from services.queue import (
     trajectory_queue,
     watch_policy,
 )
-from services.redis_local import local_redis, redis_reachable, start_redis_server
 from services.rollout_protocol import (
     DONE_KEY_PREFIX,
     JOBS_STREAM,
@@ -90,16 +90,6 @@ def make_trajectory(job: RolloutJob, worker_id: str = "worker-a") -> Trajectory:
     )
 
 
-async def eventually(poll: Callable[[], Awaitable[T]], deadline_s: float = 5.0) -> T:
-    """Poll until ``poll`` returns something truthy; fail after ``deadline_s``."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if result := await poll():
-            return result
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"nothing after {deadline_s} s")
-
-
 async def blocked_clients(client: Redis) -> int:
     return int((await client.info("clients"))["blocked_clients"])
 
@@ -161,7 +151,9 @@ async def test_job_of_a_dead_worker_is_reclaimed_and_yields_one_trajectory(
     (lost,) = await jobs.consume("worker-dead", block_ms=100)  # consumed, then the worker dies
     assert await jobs.reclaim("worker-b", min_idle_ms=60_000) == []  # not idle long enough yet
 
-    (again,) = await eventually(lambda: jobs.reclaim("worker-b", min_idle_ms=200))
+    (again,) = await eventually(
+        lambda: jobs.reclaim("worker-b", min_idle_ms=200), "the job to be reclaimable"
+    )
     assert again == lost
     assert await jobs.reclaim("worker-c", min_idle_ms=200) == []  # claiming reset the idle time
 
@@ -280,7 +272,7 @@ async def test_touch_keeps_a_long_episode_from_being_reclaimed(
         (entry,) = await redis.xpending_range(JOBS_STREAM, "rollout", working.entry_id, working.entry_id, 1)
         return entry["time_since_delivered"] if entry["time_since_delivered"] >= 300 else 0
 
-    await eventually(idle_ms)
+    await eventually(idle_ms, "the entry to be idle")
     await jobs.ack([finished.entry_id])
     assert await jobs.touch("worker-a", [working.entry_id, finished.entry_id]) == [working.entry_id]
     assert await jobs.reclaim("worker-b", min_idle_ms=300) == []
@@ -312,7 +304,9 @@ async def test_a_redis_restart_raises_promptly_then_recovers() -> None:
         (delivery,) = await jobs.consume("worker-a", block_ms=100)
 
         blocked = asyncio.ensure_future(jobs.consume("worker-a", block_ms=1500))
-        await eventually(lambda: blocked_clients(client))  # the read is waiting on the server
+        await eventually(
+            lambda: blocked_clients(client), "a blocked read"
+        )  # the read is waiting on the server
         server.process.kill()  # SIGKILL: no shutdown, connections just drop
         server.process.wait()
         started = time.monotonic()

@@ -8,8 +8,10 @@ deadline. The visibility timeout is a few seconds so that a killed worker's jobs
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import signal
-import time
+import subprocess
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,13 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import REPO_ROOT, STARGYM, RunningServer, free_port, start_server, stop_server, wait_until
 
 from deploy.model_init import init_tiny_model
-from rollout_server.settings import WorkerSettings, parse_env_urls
+from deploy.redis_local import start_redis_server
+from rollout_server.settings import WorkerSettings
 from rollout_server.worker import ReloadGate
+from services.contracts import parse_family_urls
 from services.queue import connect, set_policy
-from services.redis_local import start_redis_server
 from services.rollout_protocol import (
     DATA_FIELD,
     JOBS_STREAM,
@@ -77,10 +80,13 @@ def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunningSer
     started: list[RunningServer] = []
 
     def start(
-        engine_url: str, envs: dict[str, str], tokenizer: Path, *extra: str, **env: str
+        engine_url: str, envs: dict[str, str], tokenizer: Path | None, *extra: str, **env: str
     ) -> RunningServer:
+        """``tokenizer`` None: the worker takes it from the engine's /v1/models."""
         port = free_port()
-        args = ["rollout", "--engine-url", engine_url, "--tokenizer", str(tokenizer), "--port", str(port)]
+        args = ["rollout", "--engine-url", engine_url, "--port", str(port)]
+        if tokenizer is not None:
+            args += ["--tokenizer", str(tokenizer)]
         for family, url in envs.items():
             args += ["--env", f"{family}={url}"]
         variables = {
@@ -126,15 +132,8 @@ def trajectories(db: redis.Redis) -> list[Trajectory]:
     return [Trajectory.model_validate_json(fields[b"data"]) for _, fields in db.xrange(TRAJECTORIES_STREAM)]
 
 
-def wait_for(condition: Callable[[], object], what: str, deadline_s: float = DEADLINE_S, logs=()) -> object:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    details = "\n".join(f"--- {server.log_path.name}\n{server.log()[-4000:]}" for server in logs)
-    raise AssertionError(f"timed out waiting for {what}\n{details}")
+wait_for = functools.partial(wait_until, deadline_s=DEADLINE_S)
+"""The suite's :func:`wait_until`, with this module's deadline (episodes on a loaded 2-core box)."""
 
 
 def wait_trajectories(db: redis.Redis, count: int, logs=()) -> list[Trajectory]:
@@ -156,7 +155,8 @@ def test_every_job_yields_one_trajectory_and_is_acked(
     db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
 ) -> None:
     jobs = make_jobs(12)
-    worker = workers(engine.url, {"game": game_server.url}, checkpoints[0], "--concurrency", "8")
+    # No --tokenizer: the worker loads the one of the model directory the engine reports.
+    worker = workers(engine.url, {"game": game_server.url}, None, "--concurrency", "8")
     publish(db, jobs)
     found = wait_trajectories(db, len(jobs), logs=[worker])
     assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)
@@ -408,7 +408,7 @@ def test_settings_read_flags_and_prefixed_variables(monkeypatch: pytest.MonkeyPa
     assert settings.redis_url == "redis://10.0.0.1:6379/2"
     assert settings.engine_urls == ["http://a:8210", "http://b:8210"]
     assert settings.env_urls == {"game": "http://g:8101", "search": "http://s:8103"}
-    assert (settings.concurrency, settings.tokenizer, settings.port) == (64, "models/tiny", 8200)
+    assert (settings.concurrency, settings.tokenizer, settings.port) == (64, None, 8200)
     assert settings.log_level == "info"
     monkeypatch.setenv("STARGYM_PORT", "9000")
     assert WorkerSettings().port == 9000
@@ -420,6 +420,21 @@ def test_settings_read_flags_and_prefixed_variables(monkeypatch: pytest.MonkeyPa
     assert WorkerSettings(concurrency=5, env_urls=["web=http://w"]).env_urls == {"web": "http://w"}
     for bad in ("game", "game/frozenlake=http://g", "game=http://a,game=http://b"):
         with pytest.raises(ValueError):
-            parse_env_urls(bad)
+            parse_family_urls(bad)
     with pytest.raises(ValueError):
         WorkerSettings(visibility_timeout_s=3, touch_interval_s=5)
+
+
+def test_rollout_without_a_tokenizer_it_cannot_find_says_to_pass_one() -> None:
+    """No --tokenizer and no engine to ask: exit 2 with a message naming --tokenizer, no traceback."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [*STARGYM, "rollout", "--engine-url", dead, "--env", "game=http://127.0.0.1:1"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "COLUMNS": "200", "STARGYM_ROLLOUT_TOKENIZER": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "pass --tokenizer DIR" in result.stderr and "Traceback" not in result.stderr

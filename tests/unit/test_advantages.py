@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from trainer.algorithms.advantages import (
     episode_scores,
@@ -17,6 +18,8 @@ from trainer.algorithms.advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
+from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, CriticValues, register_advantage
+from trainer.config import AlgorithmConfig
 
 # One 2-turn episode: prompt P P | reply A A | observation O O | reply A A | template token X.
 #                     index       0 1         2 3               4 5         6 7                 8
@@ -198,3 +201,68 @@ def test_reinforce_plus_plus_discounted_returns_then_whitened() -> None:
         [-0.55 / sd, -1.05 / sd, 0.0, 0.0],
     ]
     assert_close(adv, expected, atol=1e-5)
+
+
+# --- the registry ---------------------------------------------------------------------------------
+
+
+def test_every_builtin_estimator_is_registered_and_runs_with_one_signature() -> None:
+    config = AlgorithmConfig(advantage="gae", critic={"enabled": True})
+    rewards = place_rewards(torch.tensor([1.0, 0.0]), torch.cat([TWO_TURN_MASK, TWO_TURN_MASK]))
+    mask = torch.cat([TWO_TURN_MASK, TWO_TURN_MASK])
+    critic = CriticValues(torch.zeros(2, 9), torch.zeros(2))
+    assert {"gae", "grpo", "rloo", "reinforce_pp"} <= set(ADVANTAGE_ESTIMATORS)
+    for name, estimator in ADVANTAGE_ESTIMATORS.items():
+        values = critic if estimator.needs_critic else None
+        advantages, returns = estimator.fn(rewards, values, mask, ["g", "g"], config)
+        assert advantages.shape == returns.shape == (2, 9), name
+        assert (advantages * (1 - mask)).abs().sum() == 0, name
+    assert [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic] == ["gae"]
+
+
+def test_the_config_accepts_exactly_the_registered_estimators() -> None:
+    with pytest.raises(ValidationError, match="unknown estimator 'ppo'; registered: gae, grpo"):
+        AlgorithmConfig(advantage="ppo")
+
+    @register_advantage("zero_for_test")
+    def zero(token_rewards, values, response_mask, group_ids, config):
+        return torch.zeros_like(token_rewards), torch.zeros_like(token_rewards)
+
+    try:
+        assert AlgorithmConfig(advantage="zero_for_test").estimator.fn is zero
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage("zero_for_test")(zero)
+    finally:
+        del ADVANTAGE_ESTIMATORS["zero_for_test"]
+
+
+def test_gae_bootstraps_a_truncated_episode_from_the_value_where_it_was_cut() -> None:
+    # The episode of test_gae_two_turn_episode_skips_observation_tokens, cut by max_turns: the
+    # state after token 7 (where the final observation 8 was appended) is worth 0.5.
+    values = torch.tensor([[9.0, 9.0, 0.5, 0.4, 9.0, 9.0, 0.6, 0.8, 9.0]])
+    rewards = place_rewards(torch.tensor([1.0]), TWO_TURN_MASK)
+    adv, ret = gae_advantages(rewards, values, TWO_TURN_MASK, 0.9, 0.8, bootstrap_values=torch.tensor([0.5]))
+    # t=7: delta = 1 + 0.9*0.5 - 0.8 = 0.65                  A7 = 0.65
+    # t=6: delta = 0 + 0.9*0.8 - 0.6 = 0.12                  A6 = 0.12 + 0.72*0.65   = 0.588
+    # t=3: delta = 0 + 0.9*0.6 - 0.4 = 0.14                  A3 = 0.14 + 0.72*0.588  = 0.56336
+    # t=2: delta = 0 + 0.9*0.4 - 0.5 = -0.14                 A2 = -0.14 + 0.72*0.56336 = 0.2656192
+    assert_close(adv[0], [0, 0, 0.2656192, 0.56336, 0, 0, 0.588, 0.65, 0])
+    assert_close(ret[0], [0, 0, 0.7656192, 0.96336, 0, 0, 1.188, 1.45, 0])
+    # A bootstrap of 0 is the terminal episode.
+    terminal, _ = gae_advantages(rewards, values, TWO_TURN_MASK, 0.9, 0.8, bootstrap_values=torch.zeros(1))
+    assert_close(terminal[0], [0, 0, 0.0976576, 0.33008, 0, 0, 0.264, 0.2, 0])
+
+
+def test_bootstrap_and_whitening_defaults_follow_the_estimator() -> None:
+    gae = AlgorithmConfig(advantage="gae", critic={"enabled": True})
+    assert gae.bootstraps_truncated and gae.whitens_advantages
+    grpo = AlgorithmConfig(advantage="grpo")
+    assert not grpo.bootstraps_truncated and not grpo.whitens_advantages
+    assert not AlgorithmConfig(advantage="reinforce_pp").whitens_advantages
+    off = AlgorithmConfig(
+        advantage="gae", critic={"enabled": True}, bootstrap_truncated=False, whiten_advantages=False
+    )
+    assert not off.bootstraps_truncated and not off.whitens_advantages
+    assert AlgorithmConfig(advantage="rloo", whiten_advantages=True).whitens_advantages
+    with pytest.raises(ValidationError, match="no critic to bootstrap from"):
+        AlgorithmConfig(advantage="grpo", bootstrap_truncated=True)

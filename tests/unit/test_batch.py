@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from synthetic import synthetic_trajectories
 
 from deploy.model_init import init_tiny_model
 from services.policy import load_policy
 from services.rollout_protocol import SamplingParams, Trajectory
 from trainer.algorithms import logprobs_from_logits
-from trainer.batch import (
-    TrainBatch,
-    UntrainableTrajectoryError,
-    collate,
-    micro_batches,
-    synthetic_trajectories,
-)
+from trainer.batch import TrainBatch, UntrainableTrajectoryError, collate, micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +58,27 @@ def test_collate_shapes_masks_and_alignment(tiny, trajectories: list[Trajectory]
     recomputed = logprobs_from_logits(logits, batch.input_ids, temperature=0.7)
     gap = ((recomputed - batch.behaviour_logprobs).abs() * batch.response_mask).max()
     assert gap < 1e-4
+
+
+def test_each_rows_sampling_and_truncation_travel_with_it(tiny, trajectories: list[Trajectory]) -> None:
+    varied = [
+        t.model_copy(
+            update={
+                "sampling": SamplingParams(temperature=0.5 + i / 10, top_p=1.0 - i / 20, top_k=i or None),
+                "truncated": i % 3 == 0,
+            }
+        )
+        for i, t in enumerate(trajectories)
+    ]
+    batch = collate(varied, tiny[1].pad_token_id)
+    assert batch.temperature.tolist() == pytest.approx([0.5 + i / 10 for i in range(batch.size)])
+    assert batch.top_p.tolist() == pytest.approx([1.0 - i / 20 for i in range(batch.size)])
+    assert batch.top_k.tolist() == list(range(batch.size))  # None (no cut) is 0, as the engine's
+    assert batch.truncated.tolist() == [i % 3 == 0 for i in range(batch.size)]
+    for micro in micro_batches(batch, 40):
+        rows = micro.index.tolist()
+        assert micro.top_k.tolist() == rows and micro.truncated.tolist() == [r % 3 == 0 for r in rows]
+        assert torch.equal(micro.temperature, batch.temperature[micro.index])
 
 
 def test_collate_keeps_turn_structure(tiny, trajectories: list[Trajectory]) -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from deploy.tiny_model import build_model, build_tokenizer
 from services.policy import load_policy
-from services.tiny_model import build_model, build_tokenizer
 from trainer.checkpoint import CheckpointNotFound, CheckpointStore, capture_rng_states, restore_rng_states
 
 TEXTS = ["Reach G and avoid O.", "P _ _\n_ O G"]
@@ -164,7 +164,7 @@ def test_sigkill_mid_save_leaves_latest_on_the_good_checkpoint(tmp_path: Path, t
         f"""
         import os, signal, sys
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        from services.tiny_model import build_model, build_tokenizer
+        from deploy.tiny_model import build_model, build_tokenizer
         from trainer.checkpoint import CheckpointStore
         tokenizer = build_tokenizer({TEXTS!r}, {ACTIONS!r})
         model = build_model(tokenizer, 0)

@@ -208,3 +208,19 @@ def test_a_preset_refuses_conflicting_explicit_values() -> None:
 def test_custom_preset_leaves_the_keys_alone() -> None:
     config = TrainConfig.from_dict({"algorithm": {"kl_coef": 0.05, "clip_high": 0.3}})
     assert (config.algorithm.kl_coef, config.algorithm.clip_high) == (0.05, 0.3)
+
+
+def test_inflight_limit_is_derived_from_what_a_batch_needs() -> None:
+    # preset starpo_s with defaults: 16 groups kept of ceil(16 / 0.25) = 64 candidates of 8 jobs.
+    starpo_s = TrainConfig(preset="starpo_s")
+    assert starpo_s.candidate_groups == 64
+    assert starpo_s.rollout.max_inflight >= 64 * 8
+    plain = TrainConfig()
+    assert plain.candidate_groups == 16 and plain.rollout.max_inflight >= 16 * 8
+
+
+def test_an_inflight_limit_below_one_batch_of_candidates_names_both_keys(tmp_path: Path) -> None:
+    problems = problems_of({"preset": "starpo_s", "rollout": {"max_inflight": 256}}, tmp_path)
+    assert list(problems) == ["rollout.max_inflight"]
+    message = problems["rollout.max_inflight"]
+    assert "512" in message and "starpo_s.filter.ratio" in message and "rollout.groups_per_batch" in message

@@ -15,10 +15,10 @@ from transformers import (
     MistralForCausalLM,
 )
 
+from deploy.tiny_model import build_model, build_tokenizer
 from rollout_server.engine.kv_cache import BatchKVCache
-from rollout_server.engine.sampling import SamplingParams
+from rollout_server.engine.sampling import SequenceSampling
 from rollout_server.engine.scheduler import Engine, FinishReason, PauseMode, Sequence
-from services.tiny_model import build_model, build_tokenizer
 
 TEXTS = ["You are walking on a frozen lake.", "P _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\nReach G and avoid O."]
 
@@ -58,8 +58,8 @@ def test_cache_rows_keep_their_tokens_through_joins_leaves_and_growth() -> None:
     assert cache.positions().squeeze(1).tolist() == [3, 2, 500]
 
 
-def params(seed: int, max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, seed=seed)
+def params(seed: int, max_tokens: int) -> SequenceSampling:
+    return SequenceSampling(temperature=0.9, top_p=0.95, max_tokens=max_tokens, seed=seed)
 
 
 def run(engine: Engine, prompts: list[list[int]], seeds: list[int], max_tokens: list[int]) -> list[Sequence]:
@@ -153,7 +153,7 @@ def test_any_causal_lm_batches_exactly(name: str) -> None:
     sequences = [
         Sequence(
             [rng.randrange(300) for _ in range(rng.randrange(3, 50))],
-            SamplingParams(0.9, max_tokens=30, seed=i),
+            SequenceSampling(0.9, max_tokens=30, seed=i),
         )
         for i in range(8)
     ]  # 30 new tokens: past mistral's window of 24

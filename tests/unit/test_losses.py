@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from services.logits import processed_logprobs
 from trainer.algorithms.losses import (
     aggregate_loss,
     entropy_from_logits,
@@ -15,6 +16,7 @@ from trainer.algorithms.losses import (
     logprobs_from_logits,
     next_token_entropy,
     ppo_policy_loss,
+    selected_logprobs_and_entropy,
     value_loss,
 )
 
@@ -156,6 +158,21 @@ def test_value_loss_clips_the_update_around_the_old_value() -> None:
     assert plain.item() == pytest.approx(0.5 * (0.25 + 0.81 + 2.25) / 3)
 
 
+def test_value_inside_the_clip_range_never_counts_as_clipped() -> None:
+    """old + clamp(V - old, -c, c) rounds to 0.07003946 here, one float32 step above V: the
+    "clipped" error to R = 0 is then larger, and the old formula counted the token as clipped."""
+    values = torch.tensor([[0.07003945112228394]], requires_grad=True)
+    old = torch.tensor([[-0.10164343565702438]])
+    assert (old + (values - old).clamp(-0.5, 0.5)).item() != values.item()
+    loss, stats = value_loss(values, old, torch.zeros(1, 1), torch.ones(1, 1), clip_range=0.5)
+    assert stats["vf_clipfrac"].item() == 0.0
+    assert (
+        loss.item() == value_loss(values, old, torch.zeros(1, 1), torch.ones(1, 1), clip_range=None)[0].item()
+    )
+    loss.backward()
+    assert values.grad.item() == pytest.approx(values.item())
+
+
 # --- entropy --------------------------------------------------------------------------------------
 
 
@@ -241,15 +258,13 @@ def test_gather_logprobs_has_no_shift_and_matches_log_softmax() -> None:
 
 
 def test_logprobs_match_the_engines_processed_logprobs_at_top_p_1() -> None:
-    """The trainer recomputes old log-probs; at top_p = 1, top_k = 0 they must equal what the CPU
-    engine reported when it sampled (the engine's own function, imported only here)."""
-    sampling = pytest.importorskip("rollout_server.engine.sampling")
+    """At top_p = 1, top_k = 0 the full-softmax log-probs equal the sampling distribution's."""
     torch.manual_seed(1)
     logits = torch.randn(1, 6, 13)
     tokens = torch.randint(0, 13, (1, 6))
     for temperature in (1.0, 0.6, 0.0):
         rows = logits[0, :-1]
-        engine = sampling.processed_logprobs(
+        engine = processed_logprobs(
             rows,
             torch.full((5,), temperature),
             torch.ones(5),
@@ -257,3 +272,47 @@ def test_logprobs_match_the_engines_processed_logprobs_at_top_p_1() -> None:
         ).gather(1, tokens[0, 1:].unsqueeze(1))[:, 0]
         ours = logprobs_from_logits(logits, tokens, temperature)[0, 1:]
         torch.testing.assert_close(ours, engine, atol=1e-5, rtol=0)
+
+
+def test_selected_logprobs_use_each_rows_own_truncation() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(3, 5, 40)
+    tokens = torch.randint(0, 40, (3, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.float32)
+    temperature = torch.tensor([0.7, 1.0, 1.3])
+    top_p = torch.tensor([0.8, 1.0, 0.9])
+    top_k = torch.tensor([0, 10, 5])
+    # Make every sampled token one the row's own cut keeps (the sampler never draws another).
+    for row in range(3):
+        for t in range(1, 5):
+            probs = processed_logprobs(
+                logits[row, t - 1 : t], temperature[row : row + 1], top_p[row : row + 1], top_k[row : row + 1]
+            ).exp()
+            tokens[row, t] = int(probs.argmax())
+    logprobs, entropy = selected_logprobs_and_entropy(logits, tokens, mask, temperature, top_p, top_k)
+    for row in range(3):
+        rows = processed_logprobs(
+            logits[row, :-1], temperature[row].expand(4), top_p[row].expand(4), top_k[row].expand(4)
+        )
+        expected = rows.gather(1, tokens[row, 1:, None])[:, 0] * mask[row, 1:]
+        torch.testing.assert_close(logprobs[row, 1:], expected, atol=1e-6, rtol=0)
+        probs = rows.exp()
+        plogp = torch.where(probs > 0, probs * rows, torch.zeros_like(rows))
+        torch.testing.assert_close(entropy[row, 1:], -plogp.sum(-1) * mask[row, 1:], atol=1e-5, rtol=0)
+    assert logprobs[:, 0].abs().sum() == 0 and (logprobs * (1 - mask)).abs().sum() == 0
+
+
+def test_a_sampled_token_outside_the_current_cut_keeps_a_finite_logprob_and_gradient() -> None:
+    """After an optimizer step the sampled token can fall outside top-k: its log-prob is taken
+    over the kept tokens plus itself, never -inf, so the ratio and the gradient stay finite."""
+    logits = torch.tensor([[[3.0, 2.0, 1.0, -2.0], [0.0, 0.0, 0.0, 0.0]]], requires_grad=True)
+    tokens = torch.tensor([[0, 3]])  # token 3 is not in the top 2 of logits[0, 0]
+    mask = torch.tensor([[0.0, 1.0]])
+    one = torch.ones(1)
+    logprobs, entropy = selected_logprobs_and_entropy(logits, tokens, mask, one, one, torch.tensor([2]))
+    kept = torch.tensor([3.0, 2.0, -2.0])
+    assert logprobs[0, 1].item() == pytest.approx(torch.log_softmax(kept, 0)[2].item(), abs=1e-6)
+    assert torch.isfinite(entropy).all()
+    (logprobs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 0, 2].item() == 0.0  # token 2 is cut: no gradient reaches it

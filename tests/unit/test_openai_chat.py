@@ -1,8 +1,8 @@
 """The openai engine's pieces on their own: text-only trajectories, the client's retries and errors.
 
-The client talks to a scripted in-process aiohttp server that answers as OpenAI's API does
-(its error bodies, ``Retry-After``, a null ``content``); the real-server tests are in
-``tests/integration/test_eval.py``.
+The client (the ``openai`` package's, wrapped) talks to a scripted in-process aiohttp server that
+answers as OpenAI's API does (its error bodies, ``Retry-After``, a null ``content``); the
+real-server tests are in ``tests/integration/test_eval.py``.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_chat_body_holds_openai_fields_only() -> None:
         "max_tokens": 32,
     }
     body = client.chat_body(messages, SamplingParams(seed=4, top_k=5), seed=9)
-    assert body["seed"] == 9 and body["top_k"] == 5
+    assert body["seed"] == 9 and body["extra_body"] == {"top_k": 5}
     newer = OpenAIChatClient("http://h:1", "o3", max_tokens_field="max_completion_tokens")
     assert "max_tokens" not in newer.chat_body(messages, SamplingParams(max_tokens=7))
     assert newer.chat_body(messages, SamplingParams(max_tokens=7))["max_completion_tokens"] == 7
@@ -197,8 +197,9 @@ async def test_null_content_is_an_empty_reply(scripted: tuple[Script, str]) -> N
     script, url = scripted
     script.answers = [(200, reply(None), {})]
     async with OpenAIChatClient(url, "gpt-4o") as client:
-        assert (await client.chat(MESSAGES, SamplingParams())).content == ""
-    assert script.auth == [None]
+        assert (await client.chat(MESSAGES, SamplingParams(top_k=4))).content == ""
+    assert script.auth == ["Bearer EMPTY"]  # no key: the placeholder the SDK needs
+    assert script.requests[0]["top_k"] == 4  # sent in the body, beside OpenAI's own fields
 
 
 async def test_rate_limits_and_server_errors_are_retried(scripted: tuple[Script, str]) -> None:
@@ -208,14 +209,14 @@ async def test_rate_limits_and_server_errors_are_retried(scripted: tuple[Script,
         (503, {"error": {"message": "overloaded"}}, {}),
         (200, reply("ok"), {}),
     ]
-    async with OpenAIChatClient(url, "m", backoff_s=0.01) as client:
+    async with OpenAIChatClient(url, "m") as client:
         assert (await client.chat(MESSAGES, SamplingParams())).content == "ok"
     assert len(script.requests) == 3
 
 
 async def test_errors_are_typed(scripted: tuple[Script, str]) -> None:
     script, url = scripted
-    async with OpenAIChatClient(url, "m", retries=2, backoff_s=0.01) as client:
+    async with OpenAIChatClient(url, "m", retries=2) as client:
         script.answers = [(401, openai_error("Incorrect API key provided", "invalid_api_key"), {})]
         with pytest.raises(OpenAIAuthError, match="Incorrect API key"):
             await client.chat(MESSAGES, SamplingParams())
@@ -233,12 +234,18 @@ async def test_errors_are_typed(scripted: tuple[Script, str]) -> None:
         with pytest.raises(EngineContextLengthError):
             await client.chat(MESSAGES, SamplingParams())
         script.requests.clear()
-        script.answers = [(429, openai_error("You exceeded your current quota", "insufficient_quota"), {})]
+        script.answers = [
+            (
+                429,
+                openai_error("You exceeded your current quota", "insufficient_quota"),
+                {"Retry-After": "0.01", "x-should-retry": "false"},
+            )
+        ]
         with pytest.raises(EngineBusyError, match="quota"):
             await client.chat(MESSAGES, SamplingParams())
-        assert len(script.requests) == 1  # no quota comes back by waiting
+        assert len(script.requests) == 1  # the server said no retry helps
         script.requests.clear()
-        script.answers = [(500, {"error": {"message": "boom"}}, {})]
+        script.answers = [(500, {"error": {"message": "boom"}}, {"Retry-After": "0.01"})]
         with pytest.raises(EngineServerError, match="boom"):
             await client.chat(MESSAGES, SamplingParams())
         assert len(script.requests) == 3  # the first try and two retries

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from deploy.tiny_model import build_model, build_tokenizer
 from services.policy import (
     PolicyLoadError,
     latest_policy,
@@ -17,7 +18,6 @@ from services.policy import (
     policy_version,
     save_policy,
 )
-from services.tiny_model import build_model, build_tokenizer
 
 TEXTS = ["Reach G and avoid O.", "P _ _\n_ O G"]
 ACTIONS = ["Left", "Right"]

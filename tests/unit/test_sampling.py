@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from rollout_server.engine.sampling import processed_logprobs, sample
+from rollout_server.engine.sampling import sample
+from services.logits import processed_logprobs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -111,3 +112,14 @@ def test_rows_do_not_influence_each_other() -> None:
 def test_a_uniform_next_to_one_never_picks_a_token_cut_away() -> None:
     tokens, _ = sample(LOGITS, *params(top_k=2), torch.tensor([1.0 - 1e-12]))
     assert tokens.item() == 1
+
+
+def test_keep_leaves_the_named_tokens_in_the_distribution() -> None:
+    logprobs = processed_logprobs(LOGITS.expand(2, -1), *params(2, top_k=2), keep=torch.tensor([4, 1]))
+    assert torch.isfinite(logprobs).tolist() == [
+        [True, True, False, False, True, False],
+        [True, True, False, False, False, False],
+    ]
+    kept = LOGITS[0, [0, 1, 4]]
+    assert torch.allclose(logprobs[0, [0, 1, 4]], torch.log_softmax(kept, -1), atol=1e-6)
+    assert torch.equal(logprobs[1], processed_logprobs(LOGITS, *params(top_k=2))[0])

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy.model_init import collect_env_texts, init_tiny_model, resolve_envs
-from services.tiny_model import build_tokenizer
+from deploy.tiny_model import build_tokenizer
 
 EPISODES = 20  # fewer than the command's default: enough for every env text, fast enough for a unit test
 MAX_STEPS = 20

@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from synthetic import synthetic_trajectories
 
 from deploy.model_init import init_tiny_model
 from services.policy import load_policy
 from services.rollout_protocol import SamplingParams
-from trainer.algorithms import logprobs_from_logits, next_token_entropy
-from trainer.batch import TrainBatch, collate, synthetic_trajectories
+from trainer.algorithms import logprobs_from_logits, next_token_entropy, selected_logprobs_and_entropy
+from trainer.batch import TrainBatch, collate
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainConfig
-from trainer.update import PolicyUpdater, _lr_multiplier, selected_logprobs_and_entropy
+from trainer.critic import ValueModel
+from trainer.update import PolicyUpdater, _lr_multiplier
 
 TEMPERATURE = 0.8
 
@@ -66,7 +68,7 @@ def test_fused_terms_match_the_algorithm_functions(model_dir: Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logprobs, entropy = selected_logprobs_and_entropy(
-        logits, batch.input_ids, batch.response_mask, TEMPERATURE
+        logits, batch.input_ids, batch.response_mask, batch.temperature, batch.top_p, batch.top_k
     )
     mask = batch.response_mask
     expected = logprobs_from_logits(logits, batch.input_ids, TEMPERATURE) * mask
@@ -101,6 +103,64 @@ def test_metrics_and_first_update_logprob_gap(model_dir: Path) -> None:
     assert 0 < metrics["train/entropy"] < math.log(len(tokenizer))
     # The weights moved, so the same batch is now off-policy by a measurable gap.
     assert updater.update(batch)["rollout/logprob_gap"] > 1e-4
+
+
+def _sampled_batch(model, tokenizer, seed: int, samplings: list[SamplingParams]) -> TrainBatch:
+    """One batch with a group of trajectories sampled by the engine's sampler per ``samplings``."""
+    trajectories = [
+        t
+        for index, sampling in enumerate(samplings)
+        for t in synthetic_trajectories(
+            model,
+            groups=1,
+            group_size=4,
+            vocab_ids=_vocab(tokenizer),
+            first_prompt_len=20,
+            observation_len=7,
+            turns=(1, 3),
+            sampling=sampling,
+            seed=seed + index,
+        )
+    ]
+    return collate(trajectories, tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize(
+    "samplings",
+    [
+        [SamplingParams(temperature=1.0, top_p=0.8, max_tokens=6)],
+        [SamplingParams(temperature=1.0, top_k=50, max_tokens=6)],
+        [
+            SamplingParams(temperature=0.7, top_p=0.8, max_tokens=6),
+            SamplingParams(temperature=1.3, top_k=50, max_tokens=6),
+            SamplingParams(temperature=1.0, top_k=50, top_p=0.8, max_tokens=6),
+        ],
+    ],
+    ids=["top_p_0.8", "top_k_50", "per_row_mix"],
+)
+def test_on_policy_ratio_is_one_under_top_p_and_top_k(
+    model_dir: Path, samplings: list[SamplingParams]
+) -> None:
+    """The engine's sampler reports log-probs of the truncated distribution; the trainer must
+    recompute the same ones, from each trajectory's own sampling (the config says T=0.8, no cut),
+    or the on-policy ratio is the kept mass and clipping fires on fresh data."""
+    model, tokenizer = load_policy(model_dir)
+    assert len(tokenizer) > 50
+    batch = _sampled_batch(model, tokenizer, 11, samplings)
+    updater = PolicyUpdater(model, _config(optim={"micro_batch_tokens": 64}))
+    metrics = updater.update(batch)
+    assert metrics["rollout/logprob_gap"] < 1e-4
+    assert metrics["train/clipfrac"] == 0.0
+    # Token by token: ratio 1 +- 1e-4 on every trainable token, from the function the update uses.
+    fresh, _ = load_policy(model_dir)
+    with torch.no_grad():
+        logits = fresh(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logprobs, _ = selected_logprobs_and_entropy(
+        logits, batch.input_ids, batch.response_mask, batch.temperature, batch.top_p, batch.top_k, False
+    )
+    mask = batch.response_mask.bool()
+    ratio = (logprobs - batch.behaviour_logprobs)[mask].exp()
+    assert (ratio - 1).abs().max() < 1e-4
 
 
 def _grads_of_one_update(model_dir: Path, batch: TrainBatch, budget: int, **algorithm) -> list[torch.Tensor]:
@@ -190,6 +250,78 @@ def test_gae_critic_value_loss_decreases(model_dir: Path) -> None:
     assert metrics["train/kl"] > 0  # a reference is given: the KL to it is measured
 
 
+def test_truncated_episodes_bootstrap_from_the_critic_and_terminated_ones_do_not(model_dir: Path) -> None:
+    """Every value is C (zero head weight, bias C), gamma = lam = 1, the reward on the last
+    trainable token: a token's advantage is its reward-to-go R plus (next value after the
+    episode - C). A truncated episode continues from a state worth C, so its advantage is R; an
+    episode the env ended has next value 0, so R - C."""
+    value = 0.5
+    model, tokenizer = load_policy(model_dir)
+    trajectories = synthetic_trajectories(
+        model,
+        groups=2,
+        group_size=4,
+        vocab_ids=_vocab(tokenizer),
+        first_prompt_len=12,
+        observation_len=5,
+        turns=(1, 3),
+        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=3),
+        seed=21,
+    )
+    trajectories = [t.model_copy(update={"truncated": i % 2 == 0}) for i, t in enumerate(trajectories)]
+    batch = collate(trajectories, tokenizer.pad_token_id)
+    batch.turn_rewards = None  # the episode return on the last trainable token
+    batch.scores[:] = torch.linspace(0.2, 1.0, batch.size)
+    config = _config(advantage="gae", critic={"enabled": True}, whiten_advantages=False)
+    updater = PolicyUpdater(model, config)
+    assert updater.critic is not None
+    with torch.no_grad():
+        updater.critic.value_head.bias.fill_(value)
+    tokens = batch.response_mask.sum(dim=1)
+    terminated = torch.tensor([float(not t.truncated) for t in trajectories])
+    expected = float((tokens * (batch.scores - value * terminated)).sum() / tokens.sum())
+    assert updater.update(batch)["train/adv_mean"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_gae_advantages_are_whitened_by_default(model_dir: Path) -> None:
+    """Sokoban-like rewards (-0.1 per step, +10 on success): GAE's raw advantages are ~10x GRPO's;
+    whitened (the default for gae) they have mean 0 over the batch's trainable tokens."""
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer, seed=23)
+    batch.turn_rewards = None
+    batch.scores[:] = torch.where(torch.arange(batch.size) % 3 == 0, 10.0, -0.1)
+
+    def adv_mean(**algorithm) -> float:
+        fresh, _ = load_policy(model_dir)
+        config = _config(advantage="gae", critic={"enabled": True}, **algorithm)
+        return PolicyUpdater(fresh, config).update(batch)["train/adv_mean"]
+
+    raw = adv_mean(whiten_advantages=False)
+    assert raw > 1.0  # the critic starts at 0: the advantages are the returns
+    assert abs(adv_mean()) < 1e-5
+    assert abs(adv_mean(whiten_advantages=True)) < 1e-5
+
+
+def test_critic_final_value_is_the_value_after_the_last_real_token(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    critic = ValueModel.from_policy(model)
+    torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([_vocab(tokenizer)[:9]])
+    lengths = [5, 8]
+    padded = torch.full((2, 8), tokenizer.pad_token_id)
+    attention = torch.zeros(2, 8, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        padded[row, :length] = ids[0, :length]
+        attention[row, :length] = 1
+    with torch.no_grad():
+        final = critic(padded, attention).final_values
+        # Causal: V(state after token L-1) is position L of the same row one token longer.
+        longer = [
+            critic(ids[:, : n + 1], torch.ones(1, n + 1, dtype=torch.long)).values[0, n] for n in lengths
+        ]
+    torch.testing.assert_close(final, torch.stack(longer), atol=1e-5, rtol=0)
+
+
 def test_lr_schedules() -> None:
     assert [_lr_multiplier(s, 2, "constant", 10) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     cosine = [_lr_multiplier(s, 2, "cosine", 10) for s in range(12)]
@@ -240,7 +372,12 @@ def test_state_dict_round_trip_through_the_checkpoint_store(model_dir: Path, tmp
 # --- two processes on the gloo backend ---------------------------------------------------------
 
 
-def _distributed_worker(rank: int, world: int, model_dir: str, out_dir: str, parallel: str) -> None:
+ALGORITHMS = {"grpo": {}, "gae": {"advantage": "gae", "critic": {"enabled": True}}}
+
+
+def _distributed_worker(
+    rank: int, world: int, model_dir: str, out_dir: str, parallel: str, algorithm: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -249,7 +386,8 @@ def _distributed_worker(rank: int, world: int, model_dir: str, out_dir: str, par
         model, tokenizer = load_policy(model_dir)
         # Different data on each rank (its own seed, its own groups).
         batch = _batch(model, tokenizer, seed=100 + rank, groups=2 + rank)
-        updater = PolicyUpdater(model, _config(optim={"micro_batch_tokens": 64}), parallel=parallel)  # type: ignore[arg-type]
+        config = _config(optim={"micro_batch_tokens": 64}, **ALGORITHMS[algorithm])
+        updater = PolicyUpdater(model, config, parallel=parallel)  # type: ignore[arg-type]
         metrics = updater.update(batch)
         state = updater.full_policy_state_dict(rank0_only=False)
         torch.save(
@@ -265,11 +403,14 @@ def _distributed_worker(rank: int, world: int, model_dir: str, out_dir: str, par
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+@pytest.mark.parametrize(("parallel", "algorithm"), [("fsdp", "grpo"), ("ddp", "grpo"), ("fsdp", "gae")])
 def test_two_gloo_processes_end_with_identical_weights(
-    model_dir: Path, tmp_path: Path, parallel: str
+    model_dir: Path, tmp_path: Path, parallel: str, algorithm: str
 ) -> None:
-    mp.spawn(_distributed_worker, args=(2, str(model_dir), str(tmp_path), parallel), nprocs=2, join=True)
+    """GAE: the critic's forwards stay in step across ranks with different micro-batch counts,
+    and its advantages are whitened with the statistics of both ranks' batches."""
+    args = (2, str(model_dir), str(tmp_path), parallel, algorithm)
+    mp.spawn(_distributed_worker, args=args, nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     initial, tokenizer = load_policy(model_dir)
     initial_state = initial.state_dict()
@@ -299,7 +440,7 @@ def test_two_gloo_processes_end_with_identical_weights(
             seed=100 + rank,
         )
     ]
-    single = PolicyUpdater(single_model, _config(optim={"micro_batch_tokens": 64}))
+    single = PolicyUpdater(single_model, _config(optim={"micro_batch_tokens": 64}, **ALGORITHMS[algorithm]))
     expected = single.update(collate_all(union, tokenizer.pad_token_id))
     assert ranks[0]["metrics"]["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)
     assert ranks[0]["metrics"]["system/update_tokens"] == expected["system/update_tokens"]

@@ -1,5 +1,5 @@
 """RL algorithms as pure functions of tensors: advantages, losses, StarPO-S filtering,
-ScalingInter-RL schedules and the echo-trap watch. See DESIGN.md ("Training")."""
+ScalingInter-RL schedules and the echo-trap watch. See docs/architecture.md ("Training")."""
 
 from trainer.algorithms.advantages import (
     episode_scores,
@@ -23,6 +23,7 @@ from trainer.algorithms.losses import (
     logprobs_from_logits,
     next_token_entropy,
     ppo_policy_loss,
+    selected_logprobs_and_entropy,
     value_loss,
 )
 from trainer.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -57,5 +58,6 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "select_groups",
+    "selected_logprobs_and_entropy",
     "value_loss",
 ]

@@ -103,12 +103,17 @@ def gae_advantages(
     response_mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
+    bootstrap_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the trainable tokens of multi-turn episodes.
 
     token_level_rewards: ``[B, S]`` from :func:`place_rewards`.
     values: ``[B, S]`` critic values V(s_t) of the state *before* token t is sampled.
     response_mask: ``[B, S]``, 1 on trainable tokens.
+    bootstrap_values: ``[B]``, the value of the state after each row's last trainable token
+        (None: all 0). 0 for an episode the environment ended; for one cut by ``max_turns`` or the
+        context limit, the critic's value of the state it was cut in, so that the same state's
+        value target does not change when the cap does.
     Returns ``(advantages, returns)``, ``[B, S]``, 0 outside the mask; ``returns = advantages +
     values`` are the critic's targets.
 
@@ -118,7 +123,7 @@ def gae_advantages(
     not actions: they have no advantage, no TD error, no discount step, and a value at them would
     be the critic's estimate of a state the policy never acts in. (Walking every token, as
     single-turn PPO does, would bootstrap from those unsampled states and discount over tokens the
-    policy does not choose.) After the last trainable token the episode ends: next value 0.
+    policy does not choose.) After the last trainable token the next value is the row's bootstrap.
     For the same reason rewards on masked tokens are ignored; :func:`place_rewards` never puts
     them there.
 
@@ -129,6 +134,8 @@ def gae_advantages(
     batch, seq_len = values.shape
     advantages = torch.zeros_like(values)
     next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    if bootstrap_values is not None:
+        next_value = bootstrap_values.to(values.dtype).clone()
     next_advantage = torch.zeros_like(next_value)
     for t in reversed(range(seq_len)):
         is_action = mask[:, t] > 0

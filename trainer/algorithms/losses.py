@@ -11,12 +11,11 @@ from typing import Literal
 
 import torch
 
+from services.logits import GREEDY_BELOW, processed_logprobs
 from trainer.algorithms.masked import masked_mean
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
-
-GREEDY_TEMPERATURE = 1e-5  # the engine treats a temperature below this as greedy: logits unscaled
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,8 +138,10 @@ def value_loss(
 
     values: ``[B, S]`` current critic values (requires grad); old_values: ``[B, S]`` values when
     the advantages were computed; returns: ``[B, S]`` targets from :func:`gae_advantages`;
-    response_mask: ``[B, S]``. ``V_clipped = old + clip(V - old, -clip_range, clip_range)``; with
-    ``clip_range=None`` the plain squared error. Returns ``(loss, stats)`` with ``vf_clipfrac``
+    response_mask: ``[B, S]``. ``V_clipped = clamp(V, old - clip_range, old + clip_range)`` (as
+    verl computes it): inside the range it *is* V, bit for bit, so an in-range token never counts
+    as clipped (``old + clamp(V - old)`` can round one step off V); with ``clip_range=None`` the
+    plain squared error. Returns ``(loss, stats)`` with ``vf_clipfrac``
     and ``vpred_mean``.
     """
     unclipped = (values - returns) ** 2
@@ -148,7 +149,7 @@ def value_loss(
         loss_mat = unclipped
         is_clipped = torch.zeros_like(unclipped, dtype=torch.bool)
     else:
-        clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
         clipped = (clipped_values - returns) ** 2
         loss_mat = torch.maximum(unclipped, clipped)
         is_clipped = clipped > unclipped
@@ -167,7 +168,7 @@ def value_loss(
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float()
-    if temperature < GREEDY_TEMPERATURE or temperature == 1.0:
+    if temperature < GREEDY_BELOW or temperature == 1.0:
         return logits
     return logits / temperature
 
@@ -210,6 +211,46 @@ def logprobs_from_logits(
     """
     logprobs = gather_logprobs(logits[:, :-1], token_ids[:, 1:], temperature)
     return torch.cat([logprobs.new_zeros(logprobs.shape[0], 1), logprobs], dim=1)
+
+
+def selected_logprobs_and_entropy(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, S]`` log-prob of each trainable token under the distribution it was sampled from, and
+    that distribution's entropy; 0 off ``response_mask``. What the PPO ratio and the entropy bonus use.
+
+    logits: ``[B, S, V]`` for ``input_ids`` ``[B, S]``; temperature, top_p, top_k: ``[B]``, each
+    row's own sampling settings. The distribution is :func:`services.logits.processed_logprobs`,
+    the one the engine sampled from and reported (vLLM's processed log-probs), so on the
+    behaviour policy's weights the ratio is exactly 1 at any top-p/top-k, not the kept mass. The
+    sampled token always counts as kept: once an optimizer step has moved the logits it may fall
+    outside the new cut, and its log-prob must stay finite. Only trainable rows of ``logits`` are
+    processed (one ``log_softmax`` shared by both results): most tokens of a multi-turn episode
+    are observations.
+    """
+    positions = response_mask[:, 1:].bool()  # token t (t >= 1) is predicted by logits[:, t-1]
+    rows = positions.nonzero()[:, 0]
+    targets = input_ids[:, 1:][positions]
+    log_probs = processed_logprobs(
+        logits[:, :-1][positions], temperature[rows], top_p[rows], top_k[rows], keep=targets
+    )
+    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    full_mask = torch.zeros_like(response_mask, dtype=torch.bool)
+    full_mask[:, 1:] = positions
+    zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=logits.device)
+    logprobs = zeros.masked_scatter(full_mask, picked)
+    entropy = None
+    if with_entropy:
+        finite = log_probs.masked_fill(torch.isinf(log_probs), 0.0)  # 0 * -inf would be NaN
+        per_row = -(log_probs.exp() * finite).sum(dim=-1)
+        entropy = zeros.masked_scatter(full_mask, per_row)
+    return logprobs, entropy
 
 
 def kl_penalty(

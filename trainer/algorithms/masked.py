@@ -6,6 +6,8 @@ Every function here takes a ``mask`` of the same shape as its input (1 on the to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -33,10 +35,24 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return sum_sq / count.clamp(min=1.0)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``(values - mean) / sqrt(var + eps)`` with mean and (unbiased) variance over the masked
-    entries; 0 outside the mask."""
+    entries; 0 outside the mask.
+
+    sum_over_ranks: sums a tensor over data-parallel ranks (e.g. an all-reduce); given, the mean
+    and variance are those of the masked entries of *every* rank's batch, so N ranks whiten as one
+    process holding the union would.
+    """
+    total = sum_over_ranks or (lambda tensor: tensor)
     mask = mask.to(values.dtype)
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    sums = total(torch.stack([masked_sum(values, mask), mask.sum()]))
+    count = sums[1]
+    mean = sums[0] / count.clamp(min=1.0)
+    sum_sq = total(masked_sum((values - mean) ** 2, mask).reshape(1))[0]
+    var = sum_sq / (count - 1.0).clamp(min=1.0)
     return (values - mean) * torch.rsqrt(var + eps) * mask

@@ -1,16 +1,19 @@
 """The engine protocol's bodies, with vLLM's field names and shapes, so one client drives both engines.
 
-Requests list the subset of vLLM's ``CompletionRequest`` (and OpenAI's chat request) this engine honours; an unknown field is
+The one definition both ends use: the CPU engine (``rollout_server.engine.app``) validates requests
+and builds responses with these models, :class:`services.engine_client.EngineClient` builds its
+requests and reads the answers (ours and vLLM's) with them. Requests list the subset of vLLM's ``CompletionRequest`` (and OpenAI's chat request) this engine honours; an unknown field is
 a 422 rather than silently ignored (vLLM ignores it), so a client never believes a setting took
 effect when it did not. Responses are vLLM's ``CompletionResponse`` as its server fills it for
-``logprobs: 0, return_token_ids: true``.
+``logprobs: 0, return_token_ids: true``; fields this engine leaves null are typed as vLLM fills
+them, so the client reads vLLM's answers with the same models.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,7 +58,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -63,7 +66,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
-    prompt_tokens_details: None = None
+    prompt_tokens_details: dict[str, Any] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -72,10 +75,10 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    service_tier: None = None
-    system_fingerprint: None = None
+    service_tier: str | None = None
+    system_fingerprint: str | None = Field(default=None, description="vLLM: its version.")
     usage: UsageInfo
-    kv_transfer_params: None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TextContentPart(BaseModel):
@@ -136,7 +139,7 @@ class ChatResponseMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -156,7 +159,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "stargym"
     root: str
-    parent: None = None
+    parent: str | None = None
     max_model_len: int
 
 

@@ -1,6 +1,6 @@
 """Pydantic models of the env HTTP API: the one definition both the env server and its clients use.
 
-Field names follow DESIGN.md ("Env HTTP API"); the AgentGym-compatible routes have their own
+Field names follow docs/architecture.md ("Env HTTP API"); the AgentGym-compatible routes have their own
 models at the bottom, with AgentGym's exact field names.
 """
 
