@@ -3,16 +3,28 @@
     stargym train configs/frozenlake-tiny.yaml
     stargym train configs/frozenlake-tiny.yaml --set optim.total_steps=50 --set run.output_dir=runs/x
 
+    stargym train configs/frozenlake-tiny.yaml --nproc-per-node 2
+    torchrun --nproc-per-node 2 -m deploy train configs/frozenlake-tiny.yaml
+
 Redis comes from ``REDIS_URL``; the HTTP API (``/health``, ``/metrics``, ``/status``) listens on the
 config's ``dashboard.port`` (8300) unless ``--port`` says otherwise. Rollout workers, env servers
 and an engine must be running (``stargym up CONFIG`` starts them all). With
 ``model.init_tiny_if_missing`` an absent model directory is made first, as ``stargym model init``.
+
+``--nproc-per-node N`` runs the trainer as N processes under torchrun
+(``python -m torch.distributed.run``, which replaces this process): rank 0 is the trainer service
+(controller, Redis, HTTP API, checkpoints), every rank updates on its share of each batch
+(:mod:`trainer.ranks`). Started by a user's own ``torchrun``, the same command reads ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` and does the same. torchrun ends the job when a rank dies; a
+restart resumes every rank from the newest checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -76,11 +88,44 @@ def train_command(
     device: Annotated[
         str | None, typer.Option(help="torch device; default cuda if available, else cpu.")
     ] = None,
+    nproc_per_node: Annotated[
+        int, typer.Option(min=1, help="Trainer processes (torchrun); each updates on a share of every batch.")
+    ] = 1,
 ) -> None:
     """Train a policy: issue rollout jobs, update on trajectories, publish policies, checkpoint."""
     config = load_train_config(config_path, set_)
-    ensure_model(config)
-    from trainer.service import Trainer, TrainerSettings, serve
+    if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        args = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc_per_node}",
+        ]
+        args += ["-m", "deploy", *_forwarded_args(sys.argv[1:])]
+        os.execv(sys.executable, args)
+    from trainer.ranks import init_distributed
+    from trainer.service import Trainer, TrainerSettings, follow_leader, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    ranks, chosen = init_distributed(device)
+    if ranks.leader:
+        ensure_model(config)
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()  # the model exists before any rank loads it
+    if not ranks.leader:
+        # torchrun signals every rank at once; a follower ends when rank 0, which saves a final
+        # checkpoint with its help, says so (or when torchrun kills it).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        follow_leader(config, chosen)
+        return
 
     settings = TrainerSettings(
         **{
@@ -91,12 +136,23 @@ def train_command(
             }.items()
         }
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    trainer = Trainer(config, redis_url=settings.redis_url, max_minutes=max_minutes, device=device)
+    trainer = Trainer(
+        config, redis_url=settings.redis_url, max_minutes=max_minutes, device=str(chosen), ranks=ranks
+    )
     code = serve(trainer, settings)
     if code:
         raise typer.Exit(code)
+
+
+def _forwarded_args(argv: list[str]) -> list[str]:
+    """This command's arguments for each torchrun process: the same, less ``--nproc-per-node``."""
+    forwarded: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            forwarded.append(arg)
+    return forwarded

@@ -1,16 +1,34 @@
 """Training checkpoints and published policies in the run directory.
 
-Layout of ``<run_dir>`` (``checkpoints/<run>/`` by default)::
+The run directory (``run.output_dir``, default ``checkpoints/<run>/``), as a run writes it::
 
-    step-<N>/                  one checkpoint per saved update step
-        policy/                the policy in Hugging Face layout, safetensors (services/policy.py)
-        optimizer.pt           torch.save of optimizer.state_dict()        (when given)
-        scheduler.pt           torch.save of scheduler.state_dict()        (when given)
-        critic.pt              torch.save of critic.state_dict()           (when given)
-        rng.pt                 python, numpy, torch (and CUDA) RNG states
-        state.json             step, curriculum and controller state, extra; written last
-    policy-v<N>/               published policies the rollout side loads (services/policy.py)
-    metrics.jsonl              (trainer/metrics.py)
+    <run_dir>/
+        config.yaml             the run's resolved config (trainer/service.py, at every start)
+        metrics.jsonl           one line per update, eval/* merged in (trainer/metrics.py)
+        eval.jsonl              one line per held-out eval round (trainer/service.py)
+        controller.jsonl        the controller's audit log, rotated as .1 ... .4 (trainer/controller.py)
+        echo_trap.jsonl         echo-trap events, when there are any (trainer/service.py)
+        logs/                   one log per service started by `stargym up` (deploy/up.py)
+        policy-v<N>/            a published policy the rollout side loads, after update N
+                                (Hugging Face layout: config.json, generation_config.json,
+                                model.safetensors, tokenizer files; services/policy.py);
+                                the newest ``checkpoint.keep_policies`` are kept
+        step-<N>/               the checkpoint after update N; the newest ``checkpoint.keep_last``
+                                are kept; the newest complete one is where a run resumes
+
+    step-<N>/
+        policy/                 the policy's full weights, Hugging Face layout as above
+        optimizer.pt            torch.save of the policy optimizer's full state (AdamW; gathered
+                                from every rank under FSDP)
+        scheduler.pt            torch.save of the LR scheduler's state
+        critic.pt               the critic's model, optimizer and scheduler states (GAE only)
+        rng.pt                  python, numpy, torch (and CUDA) RNG states
+        state.json              written last: {"format", "step", "created_at", "curriculum":
+                                {schedule, stage, max_turns}, "controller": {groups_issued,
+                                counters}, "extra": {echo_trap, echo_counts, policy_version}}
+
+The trainer passes ``PolicyUpdater.checkpoint_parts()`` as ``optimizer``, ``scheduler`` and
+``critic``; the store itself writes whatever parts it is given and nothing else.
 
 Every write is atomic: a checkpoint is written into ``.step-<N>.tmp-*`` beside its final place,
 fsynced, and renamed to ``step-<N>``; a crash at any point leaves either the complete directory
@@ -131,11 +149,20 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 class CheckpointStore:
     """Saves, finds and restores ``step-<N>/`` checkpoints and publishes ``policy-v<N>/`` dirs.
 
-    Opening a store removes the temp dirs an interrupted save or publish left in ``run_dir``.
-    ``keep_last`` complete checkpoints are kept (None: all); ``keep_policies`` published policies.
+    Opening a store removes the temp dirs an interrupted save or publish left in ``run_dir``
+    (``read_only``: not, for the trainer's ranks other than 0, which only load: they must never
+    delete a save rank 0 has in progress). ``keep_last`` complete checkpoints are kept (None:
+    all); ``keep_policies`` published policies.
     """
 
-    def __init__(self, run_dir: str | Path, keep_last: int | None = 3, keep_policies: int | None = 3) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        keep_last: int | None = 3,
+        keep_policies: int | None = 3,
+        *,
+        read_only: bool = False,
+    ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if keep_policies is not None and keep_policies < 1:
@@ -146,7 +173,7 @@ class CheckpointStore:
         self.before_commit: Callable[[Path], None] | None = None
         """Test hook: called with the complete temp dir just before it is renamed into place."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.removed_strays = self.clean_strays()
+        self.removed_strays = [] if read_only else self.clean_strays()
 
     # -- finding --
 

@@ -149,7 +149,9 @@ class SeedRange(Section):
         return self.start < other.stop and other.start < self.stop
 
 
-class EnvSpec(Section):
+class MixEnv(Section):
+    """One env of the training mix (not the env server's wire ``EnvSpec``, which describes an env)."""
+
     id: str = Field(pattern=r"^[a-z0-9_]+/[A-Za-z0-9_.-]+$", description="Env id, e.g. 'game/frozenlake'.")
     weight: float = Field(default=1.0, gt=0, description="Share of new groups drawn from this env.")
     options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
@@ -161,8 +163,8 @@ class EnvSpec(Section):
 
 
 class EnvsConfig(Section):
-    mix: list[EnvSpec] = Field(
-        default_factory=lambda: [EnvSpec(id="game/frozenlake")], min_length=1, description="Env mix."
+    mix: list[MixEnv] = Field(
+        default_factory=lambda: [MixEnv(id="game/frozenlake")], min_length=1, description="Env mix."
     )
     servers: dict[str, str] = Field(
         default_factory=dict,
@@ -594,7 +596,7 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model = annotation
         elif args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-            model = args[0]  # list[EnvSpec]
+            model = args[0]  # list[MixEnv]
         else:
             return None
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None

@@ -258,9 +258,11 @@ class Controller:
         """Stop issuing and consuming; uncommitted trajectories stay pending in Redis."""
         self._closed = True
         if self._pump_task is not None:
-            self._pump_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._pump_task
+            # Let the loop see the flag (one poll); cancelling it inside a blocking Redis read is
+            # the last resort only, as redis-py's cleanup of a cancelled read can hang.
+            done, _ = await asyncio.wait({self._pump_task}, timeout=self.poll_ms / 1000 + 15.0)
+            if not done:
+                self._pump_task.cancel()
             self._pump_task = None
         if self._log is not None:
             self._log.close()

@@ -125,7 +125,8 @@ class MetricsLogger:
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()
-            self.step = int(step)
+            # A part logged late for an earlier step (an eval round) does not move the step back.
+            self.step = int(step) if self.step is None else max(self.step, int(step))
             self.latest.update(flat)
         if self._tb is not None:
             for key, value in flat.items():

@@ -13,7 +13,15 @@ One asyncio loop runs everything (issue 4, items 4, 6 and 7):
 * metrics go to ``<run_dir>/metrics.jsonl`` and to ``/metrics`` (Prometheus gauges of the latest
   values); echo-trap events are logged as warnings and counted in ``train/echo_trap/*``;
 * a run resumes from its newest checkpoint: the step continues, the published policy is restored,
-  and the trajectories the dead trainer had not committed are re-read.
+  and the trajectories the dead trainer had not committed are re-read;
+* every ``eval.every`` updates, and once more when the run ends (total steps or time budget, not
+  on a stop), the held-out seeds are played (:mod:`trainer.evaluation`) while training goes on;
+  each finished round's ``eval/*`` metrics are logged at the step whose policy it played, and
+  appended to ``<run_dir>/eval.jsonl``. The end-of-run round is waited for (at most
+  ``rollout.group_timeout_s``) after the final checkpoint.
+
+Run as N processes (``stargym train --nproc-per-node N``, :mod:`trainer.ranks`), this service is
+rank 0: it hands each rank its share of every batch, and the other ranks run :func:`follow_leader`.
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /status`` (:class:`TrainerStatus`).
 """
@@ -22,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -30,6 +37,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +50,23 @@ from services.http_app import create_app
 from services.queue import connect, set_policy
 from services.settings import ServiceSettings
 from trainer.algorithms.echo_trap import EchoTrapDetector
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint import CheckpointStore, LoadedCheckpoint
 from trainer.config import TrainConfig
 from trainer.controller import Batch, Controller, trajectory_stats
+from trainer.evaluation import EvalRound
 from trainer.metrics import MetricsLogger, register_prometheus
+from trainer.ranks import DEFAULT_TIMEOUT_S, Leader, RankInfo, follow, split_groups
 
 logger = logging.getLogger(__name__)
 
+EVAL_FILE = "eval.jsonl"
 STATUS_KEYS = (
     "rollout/reward_mean",
     "rollout/success",
     "rollout/turns",
     "rollout/invalid_rate",
     "rollout/kept_ratio",
+    "eval/success",
     "train/pg_loss",
     "train/entropy",
     "train/grad_norm",
@@ -74,7 +86,7 @@ class TrainerStatus(BaseModel):
 
     run: str
     run_dir: str
-    state: str = Field(description="starting | training | saving | done | stopped | failed")
+    state: str = Field(description="starting | training | saving | evaluating | done | stopped | failed")
     step: int
     total_steps: int
     policy_version: int
@@ -95,8 +107,72 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass
+class TrainingState:
+    """What every rank trains: the tokenizer, the updater (which owns the policy) and, on a resume,
+    the checkpoint it was restored from."""
+
+    tokenizer: Any
+    updater: Any
+    pad_token_id: int
+    checkpoint: LoadedCheckpoint | None
+
+
+def load_training_state(config: TrainConfig, device: torch.device, store: CheckpointStore) -> TrainingState:
+    """Load the policy, wrap it in a :class:`~trainer.update.PolicyUpdater` and restore the newest
+    checkpoint of the run, if any. Under torch.distributed every rank calls it (the updater's
+    loading methods are collectives there)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.update import PolicyUpdater
+
+    model_dir = Path(config.model.path)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path {str(model_dir)!r} is not a Hugging Face model directory "
+            "(run `stargym model init`, or set model.init_tiny_if_missing and use `stargym train`)"
+        )
+    latest = store.latest()
+    if latest is None:
+        seed_everything(config.run.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    updater = PolicyUpdater(model, config, device=device)
+    loaded = None
+    if latest is not None:
+        loaded = store.load(latest, **updater.checkpoint_parts(for_loading=True))
+        updater.load_policy_weights(str(loaded.policy_dir))
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = tokenizer.eos_token_id or 0
+    return TrainingState(tokenizer, updater, pad_token_id, loaded)
+
+
+def follow_leader(config: TrainConfig, device: torch.device) -> None:
+    """A rank other than 0: load what rank 0 loads, then take part in its updates and saves."""
+    from trainer.batch import collate
+
+    state = load_training_state(config, device, CheckpointStore(config.run_dir, read_only=True))
+    updater = state.updater
+
+    def checkpoint() -> None:
+        updater.checkpoint_parts()
+        updater.gathered_policy()
+
+    follow(
+        device,
+        update=lambda share: updater.update(collate(share, state.pad_token_id)),
+        publish=updater.gathered_policy,
+        checkpoint=checkpoint,
+    )
+
+
 class Trainer:
-    """One run: load or resume, then update until ``total_steps`` (or ``max_minutes``, or :meth:`stop`)."""
+    """One run: load or resume, then update until ``total_steps`` (or ``max_minutes``, or :meth:`stop`).
+
+    ``ranks``: this process's place among the trainer's processes (default: the only one); with
+    more than one, the others must be running :func:`follow_leader`.
+    """
 
     def __init__(
         self,
@@ -105,11 +181,22 @@ class Trainer:
         redis_url: str,
         max_minutes: float | None = None,
         device: str | None = None,
+        ranks: RankInfo | None = None,
+        heartbeat_s: float = DEFAULT_TIMEOUT_S / 4,
     ) -> None:
         self.config = config
         self.redis_url = redis_url
         self.max_minutes = max_minutes
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.ranks = ranks or RankInfo(rank=0, world_size=1, local_rank=0)
+        if self.ranks.world_size > config.rollout.groups_per_batch:
+            raise ValueError(
+                f"rollout.groups_per_batch ({config.rollout.groups_per_batch}) must be at least the number "
+                f"of trainer processes ({self.ranks.world_size}): each rank trains on whole groups"
+            )
+        self.leader = Leader(self.ranks, self.device)
+        self.heartbeat_s = heartbeat_s
+        self._released = False
         self.run_dir = config.run_dir
         self.schedule = config.curriculum.schedule
         self.state = "starting"
@@ -161,34 +248,11 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from trainer.update import PolicyUpdater
-
-        config = self.config
-        model_dir = Path(config.model.path)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.path {str(model_dir)!r} is not a Hugging Face model directory "
-                "(run `stargym model init`, or set model.init_tiny_if_missing and use `stargym train`)"
-            )
-        latest = self.store.latest()
-        if latest is None:
-            seed_everything(config.run.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        reference = None
-        if config.algorithm.kl_coef > 0:
-            reference = copy.deepcopy(self.model).eval()
-            for parameter in reference.parameters():
-                parameter.requires_grad_(False)
-        self.model.to(self.device)
-        if reference is not None:
-            reference.to(self.device)
-        self.updater = PolicyUpdater(self.model, config, device=self.device, reference_model=reference)
+        state = load_training_state(self.config, self.device, self.store)
+        self.tokenizer, self.updater, self.pad_token_id = state.tokenizer, state.updater, state.pad_token_id
         self.controller_state: dict[str, Any] = {}
-        if latest is not None:
-            loaded = self.store.load(latest, policy=self.model, optimizer=self.updater)
+        loaded = state.checkpoint
+        if loaded is not None:
             self.step = loaded.step
             self.resumed_from = loaded.step
             self.last_checkpoint = loaded.step
@@ -197,12 +261,9 @@ class Trainer:
             if echo:
                 self.detector.load_state_dict(echo)
             self.echo_counts.update(loaded.extra.get("echo_counts", {}))
-            logger.info("resumed run %s from its checkpoint of step %d", config.run.name, loaded.step)
+            logger.info("resumed run %s from its checkpoint of step %d", self.config.run.name, loaded.step)
         self.policy_version = self.step
-        self.pad_token_id = self.tokenizer.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = self.tokenizer.eos_token_id or 0
-        (self.run_dir / "config.yaml").write_text(config.to_yaml())
+        (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
 
     async def run(self) -> None:
         """Train; the state ends as ``done`` (total steps or time budget), ``stopped`` or ``failed``."""
@@ -233,9 +294,14 @@ class Trainer:
                 if batch is None:
                     break
                 await self._train_step(batch)
+                await self._evaluate_between_updates()
             if self.last_checkpoint != self.step:
                 await self._checkpoint()
-            self.state = "stopped" if self._stop.is_set() and self.step < config.optim.total_steps else "done"
+            await self._release_followers()  # the end-of-run eval may outlast their collective timeout
+            stopped = self._stop.is_set() and self.step < config.optim.total_steps
+            if not stopped:
+                await self._evaluate_at_the_end()
+            self.state = "stopped" if stopped else "done"
             logger.info("run %s %s at step %d", config.run.name, self.state, self.step)
         except asyncio.CancelledError:
             self.state = "stopped"
@@ -246,6 +312,8 @@ class Trainer:
             logger.exception("training failed")
             raise
         finally:
+            with contextlib.suppress(Exception):
+                await self._release_followers()
             if self.controller is not None:
                 await self.controller.close()
             if redis is not None:
@@ -253,11 +321,24 @@ class Trainer:
                     await redis.aclose()
             self.metrics.close()
 
+    async def _release_followers(self) -> None:
+        """Tell the other ranks the run is over (once)."""
+        if self.ranks.distributed and not self._released:
+            self._released = True
+            await asyncio.to_thread(self.leader.command, "stop")
+
     async def _next_batch(self) -> Batch | None:
         assert self.controller is not None
         wait = asyncio.create_task(self.controller.next_batch())
         stop = asyncio.create_task(self._stop.wait())
-        done, _ = await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            done, _ = await asyncio.wait(
+                {wait, stop}, timeout=self.heartbeat_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                break
+            if self.ranks.distributed:  # the other ranks wait in a collective that has a timeout
+                await asyncio.to_thread(self.leader.command, "wait")
         if wait in done:
             stop.cancel()
             return wait.result()
@@ -271,7 +352,7 @@ class Trainer:
         step_started = self._last_step_end or (time.monotonic() - batch.wait_s)
         trajectories = batch.trajectories
         update_started = time.monotonic()
-        train_metrics = await asyncio.to_thread(self._update, trajectories)
+        train_metrics = await asyncio.to_thread(self._update, batch)
         update_s = time.monotonic() - update_started
         previous_step = self.step
         self.step += 1
@@ -340,15 +421,65 @@ class Trainer:
         if self.step % self.config.checkpoint.save_every == 0:
             await self._checkpoint()
 
-    def _update(self, trajectories: list[Any]) -> dict[str, float]:
+    async def _evaluate_between_updates(self) -> None:
+        """Log a finished eval round; start one every ``eval.every`` updates (unless one is out)."""
+        assert self.controller is not None
+        finished = self.controller.finished_eval()
+        if finished is not None:
+            self._log_eval(finished)
+        every = self.config.eval.every
+        if every and self.step % every == 0 and not await self.controller.start_eval(self.step):
+            logger.warning(
+                "step %d: no eval round started, the previous one is still being played", self.step
+            )
+
+    async def _evaluate_at_the_end(self) -> None:
+        """Evaluate the final policy (waiting out a round still in flight first), then ack the episodes."""
+        assert self.controller is not None
+        previous_state, self.state = self.state, "evaluating"
+        timeout = self.config.rollout.group_timeout_s
+        pending = await self.controller.wait_eval(timeout)
+        if pending is not None:
+            self._log_eval(pending)
+        if pending is None or pending.step != self.step:
+            await self.controller.start_eval(self.step)
+            final = await self.controller.wait_eval(timeout)
+            if final is not None:
+                self._log_eval(final)
+        await self.controller.commit(self.step)
+        self.state = previous_state
+
+    def _log_eval(self, round_: EvalRound) -> None:
+        record = round_.record()
+        metrics = {key: value for key, value in record.items() if key.startswith("eval/")}
+        self.metrics.log(round_.step, metrics)
+        with (self.run_dir / EVAL_FILE).open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        logger.info(
+            "eval of step %d: success %.3f, reward %.3f over %d held-out episodes (%d missing)",
+            round_.step,
+            record.get("eval/success", math.nan),
+            record.get("eval/reward", math.nan),
+            int(record["eval/episodes"]),
+            int(record["eval/missing"]),
+        )
+
+    def _update(self, batch: Batch) -> dict[str, float]:
+        """Every rank updates on its share of whole groups (this rank's is the first)."""
         from trainer.batch import collate
 
-        self.model.train()
-        return self.updater.update(collate(trajectories, self.pad_token_id))
+        shares = split_groups([group.trajectories for group in batch.groups], self.ranks.world_size)
+        self.leader.command("batch")
+        share = self.leader.scatter(shares)
+        return self.updater.update(collate(share, self.pad_token_id))
+
+    def _save_policy(self, version: int) -> Path:
+        self.leader.command("publish")
+        return self.store.publish_policy(version, self.updater.gathered_policy(), self.tokenizer)
 
     async def _publish(self, version: int) -> None:
         """Write ``policy-v<version>`` and point the workers at it."""
-        path = await asyncio.to_thread(self.store.publish_policy, version, self.model, self.tokenizer)
+        path = await asyncio.to_thread(self._save_policy, version)
         redis = connect(self.redis_url)
         try:
             await set_policy(redis, version, str(path))
@@ -372,16 +503,22 @@ class Trainer:
             "stage": self.schedule.stage(self.step),
             "max_turns": self.schedule.max_turns(self.step),
         }
-        await asyncio.to_thread(
-            self.store.save,
-            self.step,
-            self.model,
-            self.tokenizer,
-            optimizer=self.updater,
-            curriculum_state=curriculum,
-            controller_state=controller_state,
-            extra=extra,
-        )
+
+        def save() -> None:
+            self.leader.command("checkpoint")
+            parts = self.updater.checkpoint_parts()
+            policy = self.updater.gathered_policy()
+            self.store.save(
+                self.step,
+                policy,
+                self.tokenizer,
+                **parts,
+                curriculum_state=curriculum,
+                controller_state=controller_state,
+                extra=extra,
+            )
+
+        await asyncio.to_thread(save)
         self.last_checkpoint = self.step
         acked = await self.controller.commit(self.step)
         logger.info("checkpoint of step %d saved; %d trajectories acked", self.step, acked)

@@ -7,20 +7,19 @@ unacked; a second ``stargym train`` with the same config must
 
 * resume at the checkpoint's step (not from 0) and keep counting from there;
 * re-read every trajectory the first lifetime consumed and did not commit (``controller.jsonl``
-  records what each lifetime consumed and committed): none is lost;
+  records the groups each lifetime received and the job ids it committed): none is lost;
 * never commit a trajectory twice across the two lifetimes.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from conftest import REPO_ROOT, free_port, start_server
+from conftest import REPO_ROOT, free_port, start_server, wait_until
 
 from deploy.up import bring_up
 from trainer.checkpoint import CheckpointStore
@@ -43,15 +42,15 @@ def status(url: str) -> dict | None:
 
 
 def wait_for(predicate, url: str, what: str, process=None) -> dict:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
+    """The trainer's ``/status`` once ``predicate`` holds for it; fails at once if ``process`` exits."""
+
+    def satisfied() -> dict | None:
         if process is not None and process.poll() is not None:
             raise AssertionError(f"the trainer exited with {process.returncode} while waiting for {what}")
         current = status(url)
-        if current is not None and predicate(current):
-            return current
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last status {status(url)}")
+        return current if current is not None and predicate(current) else None
+
+    return wait_until(satisfied, what, deadline_s=DEADLINE_S, interval_s=0.2)
 
 
 def test_sigkilled_trainer_resumes_without_losing_trajectories(tmp_path: Path, redis_url: str) -> None:
@@ -112,8 +111,10 @@ def test_sigkilled_trainer_resumes_without_losing_trajectories(tmp_path: Path, r
     lifetimes = list(dict.fromkeys(r["lifetime"] for r in records))
     assert len(lifetimes) == 2, lifetimes
     one, two = lifetimes
-    consumed = {
-        life: {r["job_id"] for r in records if r["event"] == "consume" and r["lifetime"] == life}
+    consumed = {  # every group a lifetime received in full ("group" records name its job ids)
+        life: {
+            job for r in records if r["event"] == "group" and r["lifetime"] == life for job in r["job_ids"]
+        }
         for life in lifetimes
     }
     committed_lists = {

@@ -194,6 +194,13 @@ def test_stray_temp_dirs_of_policies_are_cleaned_too(tmp_path: Path) -> None:
     assert sorted(path.name for path in tmp_path.iterdir()) == ["notes", "step-9"]
 
 
+def test_a_read_only_store_never_removes_what_a_save_in_progress_wrote(tmp_path: Path) -> None:
+    # A trainer rank other than 0 opens the run dir while rank 0 may be mid-save.
+    (tmp_path / ".step-4.tmp-abc").mkdir()
+    store = CheckpointStore(tmp_path, read_only=True)
+    assert store.removed_strays == [] and (tmp_path / ".step-4.tmp-abc").is_dir()
+
+
 def test_published_policies_load_with_auto_model(tmp_path: Path, tokenizer) -> None:
     store = CheckpointStore(tmp_path, keep_policies=2)
     models = {version: build_model(tokenizer, version) for version in range(4)}

@@ -57,6 +57,17 @@ def test_a_step_logged_in_parts_reads_as_one_record_and_torn_lines_are_skipped(t
     assert records[1]["train/pg_loss"] is None  # NaN is written as null: the file stays valid JSON
 
 
+def test_a_part_logged_late_for_an_earlier_step_keeps_the_latest_step(tmp_path: Path) -> None:
+    # An eval round of step 2 finishes after update 3 was logged.
+    with MetricsLogger(tmp_path) as logger:
+        logger.log(2, {"train/pg_loss": 1.0})
+        logger.log(3, {"train/pg_loss": 0.5})
+        logger.log(2, {"eval/success": 0.25})
+        assert logger.snapshot() == (3, {"train/pg_loss": 0.5, "eval/success": 0.25})
+    records = read_metrics(tmp_path)
+    assert records[0] == {"step": 2, "time": records[0]["time"], "train/pg_loss": 1.0, "eval/success": 0.25}
+
+
 def test_resume_drops_lines_after_the_checkpoint(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path) as logger:
         for step in range(1, 6):

@@ -1,0 +1,73 @@
+"""``eval.every``: held-out evaluation during training, played by the real rollout worker.
+
+The whole system runs as processes (``deploy.up.bring_up``). Every 2 updates the trainer issues
+an eval round on the held-out seeds through the job stream; its results land in the metrics at
+the step whose policy played them and in ``<run_dir>/eval.jsonl``, and no eval episode is ever
+in a training batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from conftest import REPO_ROOT, free_port, wait_until
+
+from deploy.up import bring_up
+from trainer.controller import read_controller_log
+from trainer.evaluation import eval_group_prefix
+from trainer.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(10 * 60)]
+
+EPISODES = 16
+
+
+def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+    run_dir = tmp_path / "run"
+    overrides = [
+        "run.name=e2e-eval",
+        f"run.output_dir={run_dir}",
+        f"model.path={tmp_path / 'model'}",
+        f"dashboard.port={free_port()}",
+        "rollout.group_size=4",
+        "rollout.groups_per_batch=4",
+        "rollout.max_inflight=32",
+        "optim.total_steps=5",
+        "checkpoint.save_every=5",
+        "eval.every=2",
+        f"eval.episodes={EPISODES}",
+        "eval.temperature=0",
+    ]
+    with bring_up(REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=redis_url) as stack:
+        wait_until(
+            lambda: stack.trainer.process.poll() is not None,
+            "the trainer to finish 5 updates and its evaluations",
+            deadline_s=8 * 60,
+            interval_s=1.0,
+            logs=[stack.trainer],
+        )
+        assert stack.trainer.process.returncode == 0, stack.trainer.log()[-4000:]
+
+    rounds = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    # Every 2 updates, then the final policy (step 5) at the end of the run.
+    assert [r["step"] for r in rounds] == [2, 4, 5]
+    for record in rounds:
+        assert record["eval/episodes"] == EPISODES and record["eval/missing"] == 0
+        assert 0.0 <= record["eval/game/bandit/success"] <= 1.0
+        assert record["eval/success"] == record["eval/game/bandit/success"]
+    metrics = {record["step"]: record for record in read_metrics(run_dir)}
+    for step in (2, 4, 5):
+        assert metrics[step]["eval/success"] == rounds[[2, 4, 5].index(step)]["eval/success"]
+        assert "train/pg_loss" in metrics[step]  # logged beside that step's training metrics
+    assert "eval/success" not in metrics[1] and "eval/success" not in metrics[3]
+
+    records = read_controller_log(run_dir)
+    trained = {job for r in records if r["event"] == "batch" for job in r["job_ids"]}
+    assert trained and not any(job.startswith(eval_group_prefix("e2e-eval")) for job in trained)
+    assert sum(r["jobs"] for r in records if r["event"] == "eval") == 3 * EPISODES
