@@ -1,6 +1,6 @@
 """The controller: issues rollout jobs, gathers trajectories into groups, and hands out update batches.
 
-DESIGN.md ("Delivery", "Training") and issue 4, item 4. The controller owns the two Redis streams
+docs/architecture.md ("Delivery", "Training"). The controller owns the two Redis streams
 on the trainer's side:
 
 * **issuing**: each new *group* draws an env from the config's mix (by weight) and the next seed

@@ -1,6 +1,6 @@
 """Training metrics: one JSON line per update in ``<run_dir>/metrics.jsonl``, plus optional sinks.
 
-Keys are flat and named as DESIGN.md says: ``train/*`` (pg_loss, vf_loss, entropy, kl, clipfrac,
+Keys are flat and named as docs/architecture.md says: ``train/*`` (pg_loss, vf_loss, entropy, kl, clipfrac,
 grad_norm, lr), ``rollout/*``, ``env/<env>/success``, ``env/<env>/turns`` (``<env>`` is the env id,
 slash included: ``env/game/frozenlake/success``), ``system/*``. Each line is
 ``{"step": N, "time": unix seconds, "<key>": value, ...}``; a non-finite value is written as
