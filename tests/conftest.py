@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import redis
 
 from deploy.launcher import STARGYM, free_port, start_service, wait_healthy
 from deploy.launcher import ServiceProcess as RunningServer
@@ -22,6 +23,7 @@ __all__ = [
     "RunningServer",
     "eventually",
     "free_port",
+    "short_run_overrides",
     "start_server",
     "stop_server",
     "wait_healthy",
@@ -103,3 +105,25 @@ async def eventually(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {deadline_s} s waiting for {what} (last value {value!r})")
         await asyncio.sleep(interval_s)
+
+
+@pytest.fixture
+def empty_redis_url(redis_url: str) -> str:
+    """The session's Redis, emptied first: a run that reads whole streams sees no earlier test's jobs."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+    return redis_url
+
+
+def short_run_overrides(tmp_path: Path, name: str) -> list[str]:
+    """``--set`` overrides of a short end-to-end run of a tiny config: the run's own run dir and model
+    dir under ``tmp_path``, and batches of 4 groups of 4 so that an update takes seconds."""
+    return [
+        f"run.name={name}",
+        f"run.output_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'model'}",
+        "rollout.group_size=4",
+        "rollout.groups_per_batch=4",
+        "rollout.max_inflight=32",
+    ]

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-import redis
-from conftest import REPO_ROOT, free_port, wait_until
+from conftest import REPO_ROOT, free_port, short_run_overrides, wait_until
 
 from deploy.up import bring_up
 from trainer.controller import read_controller_log
@@ -25,19 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(10 * 60)]
 EPISODES = 16
 
 
-def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
+def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, empty_redis_url: str) -> None:
+    redis_url = empty_redis_url
     run_dir = tmp_path / "run"
     overrides = [
-        "run.name=e2e-eval",
-        f"run.output_dir={run_dir}",
-        f"model.path={tmp_path / 'model'}",
+        *short_run_overrides(tmp_path, "e2e-eval"),
         f"dashboard.port={free_port()}",
-        "rollout.group_size=4",
-        "rollout.groups_per_batch=4",
-        "rollout.max_inflight=32",
         "optim.total_steps=5",
         "checkpoint.save_every=5",
         "eval.every=2",

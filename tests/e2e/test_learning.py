@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import redis
 from conftest import REPO_ROOT
 
 from deploy.demo import DemoReport, train_and_evaluate
@@ -24,9 +23,6 @@ BANDIT_MINUTES = 4.0
 
 
 def run(config: str, tmp_path: Path, redis_url: str, minutes: float, name: str) -> DemoReport:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()  # a fresh run: no jobs or trajectories of an earlier test
-    client.close()
     overrides = [
         f"run.name={name}",
         f"run.output_dir={tmp_path / 'run'}",
@@ -51,14 +47,16 @@ def _free_port() -> int:
     return free_port()
 
 
-def test_frozenlake_learns(tmp_path: Path, redis_url: str) -> None:
-    report = run("configs/frozenlake-tiny.yaml", tmp_path, redis_url, FROZENLAKE_MINUTES, "e2e-frozenlake")
+def test_frozenlake_learns(tmp_path: Path, empty_redis_url: str) -> None:
+    report = run(
+        "configs/frozenlake-tiny.yaml", tmp_path, empty_redis_url, FROZENLAKE_MINUTES, "e2e-frozenlake"
+    )
     assert report.before.success == 0.0
     assert report.after.success >= 0.2, report.curve[-5:]
     assert report.after.invalid_rate < 0.05
     assert report.after.success > report.before.success
 
 
-def test_bandit_learns_the_risky_arm(tmp_path: Path, redis_url: str) -> None:
-    report = run("configs/bandit-tiny.yaml", tmp_path, redis_url, BANDIT_MINUTES, "e2e-bandit")
+def test_bandit_learns_the_risky_arm(tmp_path: Path, empty_redis_url: str) -> None:
+    report = run("configs/bandit-tiny.yaml", tmp_path, empty_redis_url, BANDIT_MINUTES, "e2e-bandit")
     assert report.after.action_share("dragon") >= 0.75, report.after.first_actions

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from conftest import REPO_ROOT, free_port, start_server, wait_until
+from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, wait_until
 
 from deploy.launcher import ServiceProcess
 from deploy.train import parse_overrides
@@ -70,18 +70,11 @@ def wait_exit(service: ServiceProcess, what: str) -> None:
     assert service.process.returncode == 0, service.log()[-6000:]
 
 
-def test_two_processes_train_resume_and_match_one(tmp_path: Path, redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
+def test_two_processes_train_resume_and_match_one(tmp_path: Path, empty_redis_url: str) -> None:
+    redis_url = empty_redis_url
     run_dir = tmp_path / "run"
     overrides = [
-        "run.name=e2e-ranks",
-        f"run.output_dir={run_dir}",
-        f"model.path={tmp_path / 'model'}",
-        "rollout.group_size=4",
-        "rollout.groups_per_batch=4",
-        "rollout.max_inflight=32",
+        *short_run_overrides(tmp_path, "e2e-ranks"),
         "checkpoint.save_every=2",
         "checkpoint.keep_last=5",
         "eval.episodes=8",

@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import redis
 import yaml
 from conftest import wait_until
 
@@ -30,10 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(25 * 60)]
 UPDATES = 20
 
 
-def test_starpo_s_with_defaults_trains(tmp_path: Path, redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
+def test_starpo_s_with_defaults_trains(tmp_path: Path, empty_redis_url: str) -> None:
+    redis_url = empty_redis_url
     model = init_tiny_model(tmp_path / "model", 0, ["game/bandit"], 100, 20)
     config = tmp_path / "starpo_s.yaml"
     config.write_text(

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
-from conftest import REPO_ROOT, free_port, start_server, wait_until
+from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, wait_until
 
 from deploy.up import bring_up
 from trainer.checkpoint import CheckpointStore
@@ -53,19 +52,12 @@ def wait_for(predicate, url: str, what: str, process=None) -> dict:
     return wait_until(satisfied, what, deadline_s=DEADLINE_S, interval_s=0.2)
 
 
-def test_sigkilled_trainer_resumes_without_losing_trajectories(tmp_path: Path, redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
+def test_sigkilled_trainer_resumes_without_losing_trajectories(tmp_path: Path, empty_redis_url: str) -> None:
+    redis_url = empty_redis_url
     run_dir = tmp_path / "run"
     overrides = [
-        "run.name=e2e-crash",
-        f"run.output_dir={run_dir}",
-        f"model.path={tmp_path / 'model'}",
+        *short_run_overrides(tmp_path, "e2e-crash"),
         f"dashboard.port={free_port()}",
-        "rollout.group_size=4",
-        "rollout.groups_per_batch=4",
-        "rollout.max_inflight=32",
         f"checkpoint.save_every={SAVE_EVERY}",
         "optim.total_steps=1000",
     ]
