@@ -68,7 +68,7 @@ from services.rollout_protocol import JobFields, RolloutJob, Trajectory
 from trainer.algorithms.filtering import select_groups
 from trainer.audit_log import DEFAULT_KEEP, DEFAULT_MAX_BYTES, RotatingJsonl, read_jsonl
 from trainer.config import TrainConfig
-from trainer.evaluation import EvalRound, eval_group_prefix, make_eval_jobs
+from trainer.evaluation import EvalRound, eval_group_prefix, make_eval_jobs, per_env_stats
 
 logger = logging.getLogger(__name__)
 
@@ -724,13 +724,7 @@ def trajectory_stats(trajectories: Iterable[Trajectory], policy_version: int) ->
     metrics["rollout/in_group_std"] = statistics.fmean(
         statistics.pstdev(values) if len(values) > 1 else 0.0 for values in groups.values()
     )
-    by_env: dict[str, list[Trajectory]] = {}
-    for t in items:
-        by_env.setdefault(t.env, []).append(t)
-    for env, members in by_env.items():
-        metrics[f"env/{env}/success"] = statistics.fmean(float(t.success) for t in members)
-        metrics[f"env/{env}/turns"] = statistics.fmean(t.num_turns for t in members)
-        metrics[f"env/{env}/reward"] = statistics.fmean(t.reward for t in members)
+    metrics |= per_env_stats(items, "env")
     timings = [t.timings.get("queue_wait_s") for t in items if "queue_wait_s" in t.timings]
     if timings:
         metrics["system/queue_wait_s"] = statistics.fmean(timings)

@@ -105,11 +105,18 @@ def eval_stats(round_: EvalRound) -> dict[str, float]:
         "eval/turns": statistics.fmean(t.num_turns for t in items),
         "eval/invalid_rate": sum(sum(not turn.valid for turn in t.turns) for t in items) / turns,
     }
+    return metrics | per_env_stats(items, "eval")
+
+
+def per_env_stats(items: list[Trajectory], prefix: str) -> dict[str, float]:
+    """``<prefix>/<env>/success|reward|turns``: the means of each env's trajectories in ``items``
+    (training batches report them under ``env``, evaluation rounds under ``eval``)."""
     by_env: dict[str, list[Trajectory]] = {}
     for t in items:
         by_env.setdefault(t.env, []).append(t)
+    metrics: dict[str, float] = {}
     for env, members in by_env.items():
-        metrics[f"eval/{env}/success"] = statistics.fmean(float(t.success) for t in members)
-        metrics[f"eval/{env}/reward"] = statistics.fmean(t.reward for t in members)
-        metrics[f"eval/{env}/turns"] = statistics.fmean(t.num_turns for t in members)
+        metrics[f"{prefix}/{env}/success"] = statistics.fmean(float(t.success) for t in members)
+        metrics[f"{prefix}/{env}/reward"] = statistics.fmean(t.reward for t in members)
+        metrics[f"{prefix}/{env}/turns"] = statistics.fmean(t.num_turns for t in members)
     return metrics
