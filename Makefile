@@ -28,8 +28,17 @@ NO_TESTS_IS_FAILURE := status=$$?; if [ $$status -eq 5 ]; then echo "pytest coll
 vllm-venv:
 	deploy/vllm_venv.sh $(VLLM_VENV)
 
-# Everything CI runs, the vLLM tests included.
-test: setup vllm-venv
+# The dashboard tests drive Debian's chromium (tests/e2e/test_dashboard_browser.py); playwright
+# (a dev dependency) talks to it, so no browser is downloaded. Installed with apt when missing.
+CHROMIUM := /usr/bin/chromium
+.PHONY: browser
+browser:
+	@test -x $(CHROMIUM) || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+# Everything CI runs, the vLLM and browser tests included.
+test: setup vllm-venv browser
 	$(WITH_VLLM) $(PYTEST) tests --durations=10; $(NO_TESTS_IS_FAILURE)
 
 test-fast: setup
@@ -41,11 +50,12 @@ test-vllm: setup vllm-venv
 demo: setup
 	$(BIN)/python -m deploy.demo
 
-bench: setup
+bench: setup browser
 	$(BIN)/python bench/env_server.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/trainer.py
+	$(BIN)/python bench/dashboard.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from deploy.dashboard import dashboard_command
 from deploy.eval import eval_command
 from deploy.model_init import model_init_command
 from deploy.train import train_command
@@ -26,6 +27,7 @@ app.command("rollout")(rollout_command)
 app.command("eval")(eval_command)
 app.command("train")(train_command)
 app.command("up")(up_command)
+app.command("dashboard")(dashboard_command)
 
 
 @env_app.command("list")

@@ -10,6 +10,7 @@ plain field names.
 
 from __future__ import annotations
 
+import socket
 from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -19,6 +20,7 @@ from services.contracts import ROLLOUT_PORT, parse_family_urls
 from services.settings import ONE_MIB, ServiceSettings
 
 ENV_PREFIX = "STARGYM_ROLLOUT_"
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 def _shared(name: str) -> AliasChoices:
@@ -128,6 +130,18 @@ class WorkerSettings(ServiceSettings):
         gt=0,
         description="Window of episodes/s, tokens/s.",
     )
+    heartbeat_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often the worker rewrites its entry in the stargym:workers registry.",
+    )
+    advertise_url: str | None = Field(
+        default=None,
+        description="This worker's HTTP base URL as others reach it, put in the registry for the "
+        "dashboard; default: http://HOST:PORT, with the machine's hostname for a wildcard HOST "
+        "(0.0.0.0, ::). Set it when that name does not resolve for the dashboard (e.g. "
+        "http://rollout:8200 for a compose service named 'rollout').",
+    )
     env_api_token: SecretStr | None = Field(default=None, description="Bearer token of the env servers.")
     engine_api_token: SecretStr | None = Field(default=None, description="Bearer token of the engines.")
 
@@ -146,6 +160,21 @@ class WorkerSettings(ServiceSettings):
         if self.touch_interval_s is not None and self.touch_interval_s >= self.visibility_timeout_s:
             raise ValueError("touch_interval_s must be below visibility_timeout_s, or jobs get reclaimed")
         return self
+
+    @property
+    def advertised_url(self) -> str:
+        """``advertise_url``, else ``http://HOST:PORT`` with a wildcard host replaced by the hostname.
+
+        A worker listening on 127.0.0.1 (``stargym up``) is reached there by a dashboard on the same
+        machine; one listening on every interface (a container) is reached by its hostname, which a
+        compose network resolves to the container.
+        """
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = socket.gethostname() if self.host in _WILDCARD_HOSTS else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     @property
     def touch_every_s(self) -> float:

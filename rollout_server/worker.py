@@ -20,6 +20,9 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
   published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
   request retried by the engine client (for ``engine_busy_timeout_s``; counted as
   ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them.
+* **heartbeat**: the worker's entry in the ``stargym:workers`` hash (its URL, env servers, engines
+  and :class:`WorkerStatus`) is rewritten every ``heartbeat_s`` and deleted on a clean stop, so
+  the dashboard finds every worker and the services behind it;
 * **shutdown**: :meth:`RolloutWorker.shutdown` (SIGTERM, through uvicorn's lifespan) stops taking
   jobs, lets in-flight episodes finish for ``shutdown_grace_s`` and abandons the rest, which stay
   pending and are reclaimed by another worker.
@@ -41,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -59,7 +61,17 @@ from services.queue import (
     trajectory_queue,
     watch_policy,
 )
-from services.rollout_protocol import DONE_KEY_PREFIX, PolicyPointer, RolloutJob, Trajectory
+from services.rollout_protocol import (
+    DONE_KEY_PREFIX,
+    WORKER_ENTRY_MAX_AGE_S,
+    WORKERS_KEY,
+    EngineStatus,
+    PolicyPointer,
+    RolloutJob,
+    Trajectory,
+    WorkerHeartbeat,
+    WorkerStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,41 +81,15 @@ EpisodeRunner = Callable[..., Awaitable[Trajectory]]
 _TRANSIENT = (RedisError, OSError)
 ADMIN_TIMEOUT_S = 10.0
 """Longest wait for an engine's /v1/models or /weight_info at start-up."""
+PRUNE_INTERVAL_S = 60.0
+"""How often a worker looks for long-dead entries in the registry (it reads the whole hash)."""
+UNREGISTER_TIMEOUT_S = 2.0
+"""Longest wait for removing the registry entry on stop: a dead Redis must not hold the exit up."""
 
 
 def default_consumer_name() -> str:
     """Host, pid and a random suffix: unique even for a restarted process with the same pid."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-class EngineStatus(BaseModel):
-    url: str
-    policy_version: int | None = Field(description="Version of the weights it serves; None until known.")
-    in_flight: int = Field(description="Episodes running on it.")
-    reloading: bool
-
-
-class WorkerStatus(BaseModel):
-    """What ``GET /status`` answers."""
-
-    worker_id: str
-    concurrency: int
-    in_flight: int = Field(description="Episodes being played now.")
-    episodes_per_s: float = Field(description="Jobs completed per second over the rate window.")
-    tokens_per_s: float = Field(description="Sampled tokens per second over the rate window.")
-    policy_version: int | None = Field(description="Oldest version any engine serves; None until known.")
-    target_policy_version: int | None = Field(description="The version stargym:policy names.")
-    jobs_done: int = Field(description="Trajectories published without an error.")
-    jobs_failed: int = Field(description="Trajectories published with 'error' set.")
-    duplicates: int = Field(description="Jobs whose trajectory another run had already published.")
-    reclaimed: int = Field(description="Jobs taken over from other (dead) consumers.")
-    env_retries: int
-    engine_backoffs: int = Field(description="Engine 429s waited out.")
-    reloads: int
-    redis_errors: int
-    engines: list[EngineStatus]
-    stopping: bool
-    uptime_s: float
 
 
 class ReloadGate:
@@ -248,8 +234,10 @@ class RolloutWorker:
         """Consume and play jobs until :meth:`shutdown`; returns once everything is closed."""
         try:
             await self._open()
+            # Registered from the start, so a worker stuck waiting for its engines is seen too.
+            self._background = [asyncio.create_task(self._heartbeat(), name="heartbeat")]
             if await self._prepare():
-                self._background = [
+                self._background += [
                     asyncio.create_task(self._watch_policy(), name="watch-policy"),
                     asyncio.create_task(self._reloader(), name="reloader"),
                     asyncio.create_task(self._toucher(), name="toucher"),
@@ -260,6 +248,7 @@ class RolloutWorker:
             for task in self._background:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
+            await self._unregister()
             await self._close()
 
     async def shutdown(self) -> None:
@@ -567,6 +556,62 @@ class RolloutWorker:
             gone = [entry_id for entry_id in ids if entry_id not in still and entry_id in self._in_flight]
             if gone:
                 logger.info("%d in-flight jobs are no longer pending (finished elsewhere)", len(gone))
+
+    # -- the worker registry ------------------------------------------------------------------
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        """This worker's entry in :data:`~services.rollout_protocol.WORKERS_KEY`, as of now."""
+        settings = self.settings
+        return WorkerHeartbeat(
+            worker_id=self.consumer,
+            url=settings.advertised_url,
+            envs={family: client.base_url for family, client in self._envs.items()},
+            engines=[slot.url for slot in self._slots],
+            heartbeat_s=settings.heartbeat_s,
+            status=self.status(),
+            updated_at=time.time(),
+        )
+
+    async def _heartbeat(self) -> None:
+        """Rewrite this worker's registry entry every ``heartbeat_s``; prune long-dead entries.
+
+        Pruning reads the whole hash, so it runs at most every :data:`PRUNE_INTERVAL_S`, not on
+        every beat. A Redis error is counted and the beat skipped: the next one tries again.
+        """
+        assert self._redis is not None
+        next_prune = 0.0
+        while True:
+            try:
+                await self._redis.hset(WORKERS_KEY, self.consumer, self.heartbeat().model_dump_json())
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + PRUNE_INTERVAL_S
+                    await self._prune_registry()
+            except _TRANSIENT as exc:
+                self._redis_error("writing the heartbeat", exc)
+            except Exception:
+                logger.exception("unexpected error writing the heartbeat")
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _prune_registry(self) -> None:
+        """Delete the entries of workers silent for :data:`WORKER_ENTRY_MAX_AGE_S` (or unreadable)."""
+        assert self._redis is not None
+        oldest = time.time() - WORKER_ENTRY_MAX_AGE_S
+        entries = await self._redis.hgetall(WORKERS_KEY)
+        dead = [
+            worker_id for worker_id, raw in entries.items() if WorkerHeartbeat.updated_at_of(raw) < oldest
+        ]
+        if dead:
+            await self._redis.hdel(WORKERS_KEY, *dead)
+            logger.info("pruned %d dead workers from %s", len(dead), WORKERS_KEY)
+
+    async def _unregister(self) -> None:
+        """Delete this worker's registry entry on a clean stop, within :data:`UNREGISTER_TIMEOUT_S`."""
+        if self._redis is None:
+            return
+        try:
+            await asyncio.wait_for(self._redis.hdel(WORKERS_KEY, self.consumer), UNREGISTER_TIMEOUT_S)
+        except (*_TRANSIENT, TimeoutError) as exc:
+            self._redis_error("removing the heartbeat", exc)
 
     # -- policy reloads -----------------------------------------------------------------------
 

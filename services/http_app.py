@@ -10,7 +10,9 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from http.cookies import CookieError, SimpleCookie
 from typing import Any
+from urllib.parse import parse_qs, urlencode
 
 import orjson
 from fastapi import FastAPI, Request
@@ -125,21 +127,97 @@ class _BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body exceeds {max_bytes} bytes")
 
 
-class BearerAuth:
-    """Requires ``Authorization: Bearer <token>`` on every path but /health; compares in constant time."""
+TOKEN_COOKIE = "stargym_token"
+LOGIN_PATH = "/login"
+_LOGIN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>stargym: sign in</title>
+<style>body{font:15px system-ui,sans-serif;margin:12vh auto;max-width:22rem}input,button{font:inherit;
+padding:.4rem;width:100%%;box-sizing:border-box;margin:.3rem 0}p.error{color:#b00020}</style></head>
+<body><h1>stargym</h1><p>This service needs its API token (STARGYM_API_TOKEN).</p>%s
+<form method="post" action="/login"><input type="password" name="token" placeholder="API token"
+autocomplete="current-password" autofocus required><button type="submit">Sign in</button></form></body></html>"""
+
+
+class TokenAuth:
+    """Requires the API token on every path but /health and /login; compares in constant time.
+
+    Programs send ``Authorization: Bearer <token>``. A browser signs in once, through the login
+    form (``POST /login``) or a link with ``?token=<token>``; both set an HttpOnly, SameSite=Strict
+    cookie holding the token, and ``?token=`` is answered with a redirect to the same URL without
+    it, so the token does not stay in the address bar or the history. An unauthenticated request
+    that accepts HTML gets the login form, with status 401; any other gets the JSON 401.
+    """
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.token = token.encode()
+        self.expected = b"Bearer " + self.token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "missing bearer token" if not given else "invalid bearer token"
-                await _send_error(send, 401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == LOGIN_PATH:
+            await self._login(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected) or self._cookie_ok(headers.get(b"cookie", b"")):
+            await self.app(scope, receive, send)
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        if "token" in query and hmac.compare_digest(query["token"][-1].encode(), self.token):
+            rest = urlencode(
+                [(k, v) for k, values in query.items() if k != "token" for v in values], doseq=True
+            )
+            await self._signed_in(send, scope["path"] + (f"?{rest}" if rest else ""))
+            return
+        if b"text/html" in headers.get(b"accept", b""):
+            await self._login_page(send, 401, "")
+            return
+        message = "missing bearer token" if not given else "invalid bearer token"
+        await _send_error(send, 401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
+
+    def _cookie_ok(self, header: bytes) -> bool:
+        cookies = SimpleCookie()
+        try:
+            cookies.load(header.decode("latin-1"))
+        except CookieError:
+            return False
+        morsel = cookies.get(TOKEN_COOKIE)
+        return morsel is not None and hmac.compare_digest(morsel.value.encode(), self.token)
+
+    async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await self._login_page(send, 200, "")
+            return
+        body = b""
+        while True:  # BodySizeLimit (outside this middleware) bounds what arrives
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        token = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[-1]
+        if hmac.compare_digest(token.encode(), self.token):
+            await self._signed_in(send, "/")
+        else:
+            await self._login_page(send, 401, '<p class="error">Wrong token.</p>')
+
+    async def _signed_in(self, send: Send, location: str) -> None:
+        cookie = f"{TOKEN_COOKIE}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict"
+        headers = [(b"location", location.encode("latin-1")), (b"set-cookie", cookie.encode("latin-1"))]
+        await send(
+            {"type": "http.response.start", "status": 303, "headers": [*headers, (b"content-length", b"0")]}
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _login_page(self, send: Send, status: int, notice: str) -> None:
+        body = (_LOGIN_PAGE % notice).encode()
+        headers = [
+            (b"content-type", b"text/html; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 class RequestMetrics:
@@ -233,7 +311,7 @@ def create_app(
     # Starlette wraps in reverse order of addition: the size limit and auth run before any route.
     app.add_middleware(RequestMetrics, registry=registry, service=service)
     if settings.api_token is not None:
-        app.add_middleware(BearerAuth, token=settings.api_token.get_secret_value())
+        app.add_middleware(TokenAuth, token=settings.api_token.get_secret_value())
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app
 

@@ -13,7 +13,8 @@ import time
 import uuid
 from typing import Any, Literal, Self
 
-from pydantic import ConfigDict, Field, model_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.env_protocol import Seed, WireModel
 
@@ -35,6 +36,14 @@ DEAD_LETTER_SUFFIX = ":dead"
 """Entries that cannot be parsed are moved to ``<stream>:dead`` with the reason."""
 DATA_FIELD = "data"
 """The one field of every stream entry: the model's JSON."""
+WORKERS_KEY = "stargym:workers"
+"""Hash ``{worker_id: WorkerHeartbeat JSON}``: the registry of rollout workers, so the dashboard finds
+every worker, and through them every env server and engine, without being told their URLs. Each
+worker rewrites its field every ``heartbeat_s`` and deletes it on a clean stop; a crashed worker's
+field stays, its ``updated_at`` ageing, until a live worker prunes it (:data:`WORKER_ENTRY_MAX_AGE_S`)."""
+WORKER_ENTRY_MAX_AGE_S = 3600.0
+"""Registry fields not rewritten for this long are deleted by the next worker that writes its own,
+so the hash stays bounded however many workers crash."""
 
 ActionFormat = Literal["plain", "answer_tags"]
 
@@ -213,3 +222,66 @@ class PolicyPointer(RolloutWireModel):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+class EngineStatus(BaseModel):
+    """One engine as a rollout worker sees it (part of :class:`WorkerStatus`)."""
+
+    url: str
+    policy_version: int | None = Field(description="Version of the weights it serves; None until known.")
+    in_flight: int = Field(description="Episodes running on it.")
+    reloading: bool
+
+
+class WorkerStatus(BaseModel):
+    """What a rollout worker's ``GET /status`` answers, and what its heartbeat carries.
+
+    Unknown fields are ignored (not forbidden, unlike the stream models): a dashboard of one
+    version must still read the status of a worker of another.
+    """
+
+    worker_id: str
+    concurrency: int
+    in_flight: int = Field(description="Episodes being played now.")
+    episodes_per_s: float = Field(description="Jobs completed per second over the rate window.")
+    tokens_per_s: float = Field(description="Sampled tokens per second over the rate window.")
+    policy_version: int | None = Field(description="Oldest version any engine serves; None until known.")
+    target_policy_version: int | None = Field(description="The version stargym:policy names.")
+    jobs_done: int = Field(description="Trajectories published without an error.")
+    jobs_failed: int = Field(description="Trajectories published with 'error' set.")
+    duplicates: int = Field(description="Jobs whose trajectory another run had already published.")
+    reclaimed: int = Field(description="Jobs taken over from other (dead) consumers.")
+    env_retries: int
+    engine_backoffs: int = Field(description="Engine 429s waited out.")
+    reloads: int
+    redis_errors: int
+    engines: list[EngineStatus]
+    stopping: bool
+    uptime_s: float
+
+
+class WorkerHeartbeat(RolloutWireModel):
+    """One field of :data:`WORKERS_KEY`: who a worker is, where it and its services are, how it is.
+
+    ``envs`` and ``engines`` are the URLs the worker was configured with, which is how the
+    dashboard discovers the env servers and engines; ``status`` is the worker's last
+    :class:`WorkerStatus`, shown when the worker itself no longer answers.
+    """
+
+    worker_id: str = Field(min_length=1, description="The worker's consumer name in the 'rollout' group.")
+    url: str | None = Field(description="The worker's own HTTP base URL (its /status); None if unknown.")
+    envs: dict[str, str] = Field(description="Env server URL of each env family the worker plays.")
+    engines: list[str] = Field(description="Engine base URLs the worker spreads episodes over.")
+    heartbeat_s: float = Field(gt=0, description="How often the worker rewrites this field.")
+    status: WorkerStatus
+    updated_at: float = Field(description="Unix time this field was written.")
+
+    @staticmethod
+    def updated_at_of(raw: bytes | str) -> float:
+        """An entry's ``updated_at`` read alone, so that entries this version cannot parse (another
+        version's, or garbage) are still aged and pruned; 0.0 (long dead) when it has none."""
+        try:
+            value = orjson.loads(raw).get("updated_at")
+        except (orjson.JSONDecodeError, AttributeError):
+            return 0.0
+        return float(value) if isinstance(value, int | float) else 0.0

@@ -20,7 +20,9 @@ class ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     api_token: SecretStr | None = Field(
-        default=None, description="When set, every route but /health needs 'Authorization: Bearer <token>'."
+        default=None,
+        description="When set, every route but /health and /login needs it: an 'Authorization: Bearer' "
+        "header, or the cookie a browser gets by signing in (services/http_app.py, TokenAuth).",
     )
     max_body_bytes: int = Field(default=ONE_MIB, gt=0, description="Larger request bodies get 413.")
     log_level: str = "warning"

@@ -8,6 +8,9 @@ The run directory (``run.output_dir``, default ``checkpoints/<run>/``), as a run
         eval.jsonl              one line per held-out eval round (trainer/service.py)
         controller.jsonl        the controller's audit log, rotated as .1 ... .4 (trainer/controller.py)
         echo_trap.jsonl         echo-trap events, when there are any (trainer/service.py)
+        trajectories.jsonl      the trajectories used, filtered or dropped, for the dashboard; rotated
+                                as .1 ... .4 (trainer/dashboard/samples.py)
+        status.json             the trainer's state, step and times (trainer/dashboard/runs.py)
         logs/                   one log per service started by `stargym up` (deploy/up.py)
         policy-v<N>/            a published policy the rollout side loads, after update N
                                 (Hugging Face layout: config.json, generation_config.json,

@@ -410,7 +410,9 @@ class MetricsConfig(Section):
 
 
 class DashboardConfig(Section):
-    enabled: bool = True
+    """The trainer's HTTP service: /health, /metrics and /status always, the dashboard at / when enabled."""
+
+    enabled: bool = Field(default=True, description="Serve the dashboard (trainer/dashboard/) at /.")
     host: str = "127.0.0.1"
     port: int = Field(default=8300, ge=1, le=65535)
 

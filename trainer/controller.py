@@ -68,6 +68,7 @@ from services.rollout_protocol import JobFields, RolloutJob, Trajectory
 from trainer.algorithms.filtering import select_groups
 from trainer.audit_log import DEFAULT_KEEP, DEFAULT_MAX_BYTES, RotatingJsonl, read_jsonl
 from trainer.config import TrainConfig
+from trainer.dashboard.samples import TrajectoryRecorder
 from trainer.evaluation import EvalRound, eval_group_prefix, make_eval_jobs, per_env_stats
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class Batch:
     """Complete groups looked at to cut this batch."""
     wait_s: float
     """How long the trainer waited for the batch."""
+    filtered: list[Group] = field(default_factory=list)
+    """Complete groups the StarPO-S filter left out (their entries are already disposed of)."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -162,6 +165,7 @@ class Controller:
         poll_ms: int = 200,
         log_max_bytes: int = DEFAULT_MAX_BYTES,
         log_keep: int = DEFAULT_KEEP,
+        recorder: TrajectoryRecorder | None = None,
     ) -> None:
         minimum = config.min_inflight
         if config.rollout.max_inflight is None or config.rollout.max_inflight < minimum:
@@ -216,6 +220,7 @@ class Controller:
         self._reason_logs = 0
         self._closed = False
         self._log: RotatingJsonl | None = None
+        self.recorder = recorder
         if run_dir is not None:
             self._log = RotatingJsonl(Path(run_dir) / CONTROLLER_LOG, max_bytes=log_max_bytes, keep=log_keep)
 
@@ -540,6 +545,14 @@ class Controller:
     def _drop(self, group: Group, kind: str, reason: str) -> None:
         self._log_reason(f"group {group.group_id} dropped ({kind}): {reason}")
         self._write({"event": "drop", "group_id": group.group_id, "kind": kind, "reason": reason})
+        if self.recorder is not None and group.entries:
+            self.recorder.record_group(
+                group.trajectories,
+                status="dropped",
+                step=None,
+                reason=f"{kind}: {reason}",
+                group_reward_std=group.reward_std,
+            )
         self._dispose(group)
 
     def _dispose(self, group: Group) -> None:
@@ -591,6 +604,7 @@ class Controller:
         candidates, self._ready = self._ready[:needed], self._ready[needed:]
         groups_per_batch = self.config.rollout.groups_per_batch
         flt = self.config.starpo_s.filter
+        filtered: list[Group] = []
         if flt.enabled:
             result = select_groups({g.group_id: g.rewards for g in candidates}, flt.ratio, flt.mode)
             kept_ids = set(result.kept_ids)
@@ -603,12 +617,13 @@ class Controller:
                     self.counters["groups_filtered"] += 1
                     self._write({"event": "drop", "group_id": group.group_id, "kind": "filtered"})
                     self._dispose(group)
+                    filtered.append(group)
             kept_ratio = len(kept) / len(candidates)
         else:
             kept, kept_ratio = candidates, 1.0
         for group in kept:
             self._dispose(group)
-        batch = Batch(kept, kept_ratio, len(candidates), time.monotonic() - started)
+        batch = Batch(kept, kept_ratio, len(candidates), time.monotonic() - started, filtered)
         self.counters["trajectories_used"] += len(batch.trajectories)
         self._write(
             {

@@ -222,7 +222,7 @@ def read_metrics(run_dir: str | Path, since_step: int | None = None) -> list[dic
         return []
     merged: dict[int, dict[str, Any]] = {}
     for line in text.splitlines():
-        record = _parse(line)
+        record = parse_metrics_line(line)
         if record is None:
             continue
         step = record["step"]
@@ -239,7 +239,7 @@ def truncate_metrics(run_dir: str | Path, after_step: int) -> int:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         return 0
-    kept = [line for line in lines if (record := _parse(line)) is not None and record["step"] <= after_step]
+    kept = [line for line in lines if (record := parse_metrics_line(line)) is not None and record["step"] <= after_step]
     if len(kept) == len(lines):
         return 0
     fd, temp = tempfile.mkstemp(prefix=f".{METRICS_FILE}.tmp-", dir=path.parent)
@@ -251,7 +251,8 @@ def truncate_metrics(run_dir: str | Path, after_step: int) -> int:
     return len(lines) - len(kept)
 
 
-def _parse(line: str) -> dict[str, Any] | None:
+def parse_metrics_line(line: str | bytes) -> dict[str, Any] | None:
+    """One record of metrics.jsonl, or None for a torn or foreign line."""
     try:
         record = json.loads(line)
     except ValueError:

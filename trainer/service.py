@@ -48,11 +48,17 @@ from pydantic import BaseModel, Field
 
 from services.http_app import create_app
 from services.queue import connect, set_policy
+from services.rollout_protocol import Trajectory
 from services.settings import ServiceSettings
 from trainer.algorithms.echo_trap import EchoTrapDetector
 from trainer.checkpoint import CheckpointStore, LoadedCheckpoint
 from trainer.config import TrainConfig
 from trainer.controller import Batch, Controller, trajectory_stats
+from trainer.dashboard.app import install_dashboard
+from trainer.dashboard.runs import RunsDirectory, RunStatus, write_run_status
+from trainer.dashboard.samples import TrajectoryRecorder
+from trainer.dashboard.system import SystemProbe
+from trainer.dashboard.tokens import TokenTexts
 from trainer.evaluation import EvalRound
 from trainer.metrics import MetricsLogger, register_prometheus
 from trainer.ranks import DEFAULT_TIMEOUT_S, Leader, RankInfo, follow, split_groups
@@ -198,8 +204,10 @@ class Trainer:
         self.heartbeat_s = heartbeat_s
         self._released = False
         self.run_dir = config.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.schedule = config.curriculum.schedule
-        self.state = "starting"
+        self._started_at = time.time()
+        self._state = "starting"
         self.step = 0
         self.policy_version = 0
         self.resumed_from: int | None = None
@@ -214,11 +222,37 @@ class Trainer:
         self.controller: Controller | None = None
         self.detector = EchoTrapDetector()
         self.echo_counts = {"collapse": 0, "grad_spike": 0}
+        self.recorder = TrajectoryRecorder(self.run_dir)
+        self._trained_share: list[Trajectory] = []
         self._stop = asyncio.Event()
         self._started = time.monotonic()
         self._last_step_end: float | None = None
 
     # -- status --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        self._write_run_status()
+
+    def _write_run_status(self) -> None:
+        """``<run_dir>/status.json``: what the runs list shows of this run, also once it has ended."""
+        write_run_status(
+            self.run_dir,
+            RunStatus(
+                run=self.config.run.name,
+                state=self._state,
+                step=self.step,
+                total_steps=self.config.optim.total_steps,
+                started_at=self._started_at,
+                updated_at=time.time(),
+                error=self.error,
+            ),
+        )
 
     def status(self) -> TrainerStatus:
         latest = self.metrics.snapshot()[1]
@@ -273,7 +307,7 @@ class Trainer:
             config = self.config
             redis = connect(self.redis_url)
             await self._publish(self.step)
-            self.controller = Controller(config, redis, run_dir=self.run_dir)
+            self.controller = Controller(config, redis, run_dir=self.run_dir, recorder=self.recorder)
             await self.controller.start(
                 self.controller_state, step=self.step, policy_version=self.policy_version
             )
@@ -320,6 +354,8 @@ class Trainer:
                 with contextlib.suppress(Exception):
                     await redis.aclose()
             self.metrics.close()
+            self.recorder.close()
+            self._write_run_status()
 
     async def _release_followers(self) -> None:
         """Tell the other ranks the run is over (once)."""
@@ -408,6 +444,8 @@ class Trainer:
             metrics[f"train/echo_trap/{kind}"] = float(count)
         metrics = {key: value for key, value in metrics.items() if value is not None}
         self.metrics.log(self.step, metrics)
+        self._record_batch(batch)
+        self._write_run_status()
         logger.info(
             "step %d: reward %.3f success %.3f turns %.2f kept %.2f update %.2fs step %.2fs",
             self.step,
@@ -471,7 +509,30 @@ class Trainer:
         shares = split_groups([group.trajectories for group in batch.groups], self.ranks.world_size)
         self.leader.command("batch")
         share = self.leader.scatter(shares)
+        self._trained_share = share
         return self.updater.update(collate(share, self.pad_token_id))
+
+    def _record_batch(self, batch: Batch) -> None:
+        """Hand the batch to the dashboard's trajectory log: kept groups with the advantages this
+        rank applied to them (None for another rank's share), filtered groups without."""
+        advantages: dict[str, list[float]] = {}
+        rows = self.updater.last_advantages
+        if rows is not None:
+            for row, trajectory in enumerate(self._trained_share):
+                advantages[trajectory.job_id] = rows[row, : len(trajectory.token_ids)].tolist()
+        for group in batch.groups:
+            members = group.trajectories
+            self.recorder.record_group(
+                members,
+                status="kept",
+                step=self.step,
+                group_reward_std=group.reward_std,
+                advantages=[advantages.get(t.job_id) for t in members],
+            )
+        for group in batch.filtered:
+            self.recorder.record_group(
+                group.trajectories, status="filtered", step=self.step, group_reward_std=group.reward_std
+            )
 
     def _save_policy(self, version: int) -> Path:
         self.leader.command("publish")
@@ -548,6 +609,8 @@ def build_app(
             trainer.stop()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await task
+            if probe is not None:
+                await probe.aclose()
 
     app = create_app(
         "trainer",
@@ -558,6 +621,7 @@ def build_app(
     app.state.trainer = trainer
 
     register_prometheus(trainer.metrics, app.state.metrics_registry)
+    probe = install_trainer_dashboard(app, trainer, settings) if trainer.config.dashboard.enabled else None
 
     @app.get("/status", response_model=TrainerStatus, tags=["trainer"])
     async def status(request: Request) -> TrainerStatus:
@@ -565,6 +629,25 @@ def build_app(
         return request.app.state.trainer.status()
 
     return app
+
+
+def install_trainer_dashboard(app: FastAPI, trainer: Trainer, settings: TrainerSettings) -> SystemProbe:
+    """The dashboard at ``/``: this run live, the other runs of its parent directory finished.
+    Returns the system view's probe, for the app to close when it stops."""
+    token = settings.api_token.get_secret_value() if settings.api_token is not None else None
+    envs = trainer.config.envs
+    servers = {env.family: envs.url_for(env.id) for env in envs.mix}
+    probe = SystemProbe(redis_url=trainer.redis_url, env_servers=servers, api_token=token)
+
+    async def system() -> dict[str, Any]:
+        snapshot = (await probe.snapshot()).model_dump(mode="json")
+        return snapshot | {"trainer": trainer.status().model_dump(mode="json")}
+
+    runs = RunsDirectory(
+        trainer.run_dir.parent, live_run=trainer.run_dir.name, live_state=lambda: trainer.state
+    )
+    install_dashboard(app, runs, texts=TokenTexts(), system=system)
+    return probe
 
 
 def serve(trainer: Trainer, settings: TrainerSettings) -> int:

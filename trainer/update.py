@@ -132,6 +132,9 @@ class PolicyUpdater:
         self.parallelism = Parallelism.current(parallel, self.device)
         bf16 = self.optim_config.bf16
         self.autocast = self.device.type == "cuda" if bf16 == "auto" else bool(bf16)
+        self.last_advantages: torch.Tensor | None = None
+        """``[B, S]`` advantages of the last :meth:`update`'s rows (0 off the response mask), on the
+        CPU: the dashboard's token view shows them next to the tokens they were applied to."""
 
         model.to(self.device)
         if self.optim_config.gradient_checkpointing:
@@ -284,6 +287,7 @@ class PolicyUpdater:
 
         with torch.no_grad():
             advantages, returns, old_values = self._advantages(batch, micros, num_micro)
+            self.last_advantages = (advantages * mask).cpu()
             ref_logprobs: list[torch.Tensor | None] = [None] * len(micros)
             if self.reference_model is not None:
                 for i, micro in enumerate(micros):

@@ -1,0 +1,79 @@
+"""``stargym dashboard RUNS_DIR``: the dashboard of finished (and running) runs, without a trainer.
+
+    stargym dashboard checkpoints/
+    stargym dashboard runs/ --port 8301 --redis-url redis://127.0.0.1:6379/0
+
+Serves the same pages as the trainer's own dashboard, read-only, over every run directory under
+``RUNS_DIR``. With ``--redis-url`` (or ``REDIS_URL``) the system view shows the services that run
+against that Redis (rollout workers announce themselves there, with their env servers and
+engines); without one it says it has nothing to show. ``STARGYM_API_TOKEN`` protects it as it
+protects every service.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from fastapi import FastAPI
+
+from services.http_app import create_app
+from services.settings import ServiceSettings
+
+
+class DashboardSettings(ServiceSettings):
+    """Where the dashboard listens (``STARGYM_HOST``, ``STARGYM_PORT``, ``STARGYM_API_TOKEN``)."""
+
+    port: int = 8300
+
+
+def dashboard_command(
+    runs_dir: Annotated[
+        Path, typer.Argument(metavar="RUNS_DIR", help="Directory holding run directories (checkpoints/).")
+    ],
+    port: Annotated[int | None, typer.Option(help="HTTP port; default 8300 (STARGYM_PORT).")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Listen address; default 127.0.0.1 (STARGYM_HOST).")
+    ] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="Redis of running services, for the system view (REDIS_URL).")
+    ] = None,
+) -> None:
+    """Serve the dashboard of the runs under RUNS_DIR."""
+    import uvicorn
+
+    from trainer.dashboard.app import install_dashboard
+    from trainer.dashboard.runs import RunsDirectory
+    from trainer.dashboard.system import SystemProbe
+    from trainer.dashboard.tokens import TokenTexts
+
+    if not runs_dir.is_dir():
+        raise typer.BadParameter(f"{runs_dir} is not a directory", param_hint="RUNS_DIR")
+    overrides = {key: value for key, value in {"port": port, "host": host}.items() if value is not None}
+    settings = DashboardSettings(**overrides)
+    redis_url = redis_url or os.environ.get("REDIS_URL")
+    token = settings.api_token.get_secret_value() if settings.api_token is not None else None
+    probe = SystemProbe(redis_url=redis_url, env_servers={}, api_token=token) if redis_url else None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if probe is not None:
+            await probe.aclose()
+
+    app = create_app(
+        "dashboard", settings, description="stargym dashboard: runs, charts, trajectories.", lifespan=lifespan
+    )
+    system = None
+    if probe is not None:
+
+        async def system() -> dict[str, Any]:
+            return (await probe.snapshot()).model_dump(mode="json")
+
+    install_dashboard(app, RunsDirectory(runs_dir), texts=TokenTexts(), system=system)
+    typer.echo(f"dashboard of {runs_dir.resolve()} at http://{settings.host}:{settings.port}/")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

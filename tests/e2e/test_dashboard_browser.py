@@ -1,0 +1,196 @@
+"""The dashboard in real headless Chromium, during and after a real run (``bring_up`` on the bandit config).
+
+During the run (the trainer's own dashboard): the pages load without console errors, a chart gains
+points as updates complete, the system view shows the env server, the rollout worker, the engine
+and Redis, and the trajectory viewer opens an episode whose token view has masked and unmasked
+tokens. After it (``stargym dashboard RUNS_DIR`` with ``STARGYM_API_TOKEN``): nothing is readable
+without the token, ``?token=`` signs the browser in, the live instance count equals the env
+server's ``/instances``, a trajectory holding ``<script>alert(1)</script>`` renders as text, and
+``../`` is refused. A screenshot of every page goes to ``test-output/dashboard/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, stop_server, wait_until
+from dashboard_data import SCRIPT, make_run
+
+from deploy.up import bring_up
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(10 * 60)]
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = REPO_ROOT / "test-output" / "dashboard"
+TOKEN = "dashboard-test-token"
+PAGE_DEADLINE_MS = 20_000
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)"
+        )
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        yield browser
+        browser.close()
+
+
+class Page:
+    """A browser page that records console errors, uncaught exceptions and dialogs."""
+
+    def __init__(self, browser: object, base_url: str) -> None:
+        self.context = browser.new_context(viewport={"width": 1400, "height": 1000})  # type: ignore[attr-defined]
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(PAGE_DEADLINE_MS)
+        self.base_url = base_url
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", self._dialog)
+
+    def _dialog(self, dialog: object) -> None:
+        self.dialogs.append(dialog.message)  # type: ignore[attr-defined]
+        dialog.dismiss()  # type: ignore[attr-defined]
+
+    def open(self, route: str) -> None:
+        self.page.goto(f"{self.base_url}/{route}")
+        self.page.wait_for_load_state("networkidle")
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+    def points(self, chart: str) -> int:
+        return int(self.page.get_attribute(f'[data-chart="{chart}"]', "data-points") or 0)
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redis_url: str) -> None:
+    overrides = [
+        *short_run_overrides(tmp_path, "dash"),
+        f"dashboard.port={free_port()}",
+        "optim.total_steps=40",
+        "checkpoint.save_every=20",
+        "eval.every=0",
+        "eval.episodes=16",
+    ]
+    with bring_up(REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=empty_redis_url) as stack:
+        live = Page(browser, stack.trainer.url)
+        live.open("#/charts")
+        live.page.wait_for_selector('[data-chart="success"][data-points]')
+        wait_until(lambda: live.points("success") > 0, "the success chart's first points", deadline_s=120)
+        before = live.points("success")
+        wait_until(
+            lambda: live.points("success") > before,
+            "the success chart to gain points without a reload",
+            deadline_s=120,
+            logs=[stack.trainer],
+        )
+        live.shot("charts-live")
+
+        live.open("#/system")
+        engine = stack.engine.url
+        live.page.wait_for_selector(f"text={engine}")
+        env_url = stack.env_urls["game"]
+        live.page.wait_for_selector(f'[data-env-instances="{env_url}"]')
+        live.page.wait_for_selector(f"text={stack.worker.url}")
+        assert live.page.locator(".down").count() == 0, live.page.inner_text("body")
+        live.shot("system-live")
+
+        live.open("#/trajectories")
+        live.page.locator("a[href^='#/trajectory/']").first.click()
+        live.page.wait_for_selector("span.tok")
+        assert live.page.locator('span.tok[data-mask="0"]').count() > 0
+        assert live.page.locator('span.tok[data-mask="1"]').count() > 0
+        live.shot("trajectory-live")
+        assert live.errors == [], live.errors
+        live.close()
+
+        wait_until(
+            lambda: stack.trainer.process.poll() is not None,
+            "the run to finish",
+            deadline_s=6 * 60,
+            interval_s=1.0,
+            logs=[stack.trainer],
+        )
+        assert stack.trainer.process.returncode == 0, stack.trainer.log()[-4000:]
+
+        make_run(tmp_path, "xss", steps=5)
+        port = free_port()
+        server = start_server(
+            ["dashboard", str(tmp_path), "--port", str(port), "--redis-url", empty_redis_url],
+            port,
+            tmp_path / "logs",
+            env={"STARGYM_API_TOKEN": TOKEN},
+            name="dashboard",
+        )
+        try:
+            _check_finished(browser, server.url, env_url)
+        finally:
+            stop_server(server.process)
+
+
+def _check_finished(browser: object, url: str, env_url: str) -> None:
+    for path in ("/api/runs", "/api/runs/dash/metrics", "/api/system", "/static/vendor/plotly.min.js"):
+        response = httpx.get(f"{url}{path}")
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "unauthorized"
+    page_without = httpx.get(url, headers={"Accept": "text/html"})
+    assert page_without.status_code == 401 and "<form" in page_without.text
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for path in ("/api/runs/../config", "/api/runs/%2e%2e/config", "/api/runs/..%2fdash/config"):
+        refused = httpx.get(httpx.URL(f"{url}{path}"), headers=auth)
+        assert refused.status_code == 404, (path, refused.text)
+
+    env = httpx.Client(base_url=env_url, timeout=10.0)
+    for seed in range(3):
+        env.post("/instances", json={"env": "game/bandit", "seed": seed}).raise_for_status()
+    expected = env.get("/instances").json()["count"]
+    finished = Page(browser, url)
+    finished.open(f"?token={TOKEN}#/system")
+    assert "token=" not in finished.page.url  # redirected, the token is in the cookie
+    counter = finished.page.locator(f'[data-env-instances="{env_url}"]')
+    counter.wait_for()
+    wait_until(
+        lambda: counter.inner_text().strip() == str(expected), f"{expected} instances shown", deadline_s=20
+    )
+    finished.shot("system-finished")
+
+    finished.open("#/runs")
+    finished.page.wait_for_selector("text=xss")
+    finished.shot("runs")
+    finished.open("#/runs/dash/config")
+    finished.page.wait_for_selector("text=bandit")
+    finished.shot("config")
+
+    finished.open("#/trajectory/xss/g2-0")
+    finished.page.wait_for_selector("span.tok")
+    assert finished.page.get_by_text(SCRIPT, exact=False).count() > 0  # shown as text
+    injected = "[...document.scripts].filter(s => s.textContent.includes('alert(1)')).length"
+    assert finished.page.evaluate(injected) == 0
+    assert finished.dialogs == []
+    finished.shot("trajectory-script-inert")
+    finished.open("#/group/xss/g2")
+    finished.page.wait_for_selector("text=filtered")
+    finished.shot("group")
+    finished.open("#/charts")
+    finished.page.wait_for_selector('[data-chart="success"][data-points]')
+    finished.shot("charts-finished")
+    assert finished.errors == [], finished.errors
+    finished.close()
+    for instance in env.get("/instances").json()["instances"]:
+        env.delete(f"/instances/{instance['instance_id']}")
+    env.close()
