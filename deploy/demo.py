@@ -159,6 +159,7 @@ def train_and_evaluate(
         console=console,
         redis_url=redis_url,
     ) as stack:
+        console.print(f"Watch it live: the dashboard is at {stack.trainer.url}/", highlight=False)
         if show_progress:
             _progress(stack, config, console)
         code = stack.wait_trainer()

@@ -174,7 +174,9 @@ def up_command(
         with bring_up(
             config_path, set_, concurrency=concurrency, trainer_args=extra, console=console
         ) as stack:
-            console.print(f"training; status at {stack.trainer.url}/status, Ctrl-C stops everything")
+            console.print(
+                f"training; dashboard at {stack.trainer.url}/ (status at /status), Ctrl-C stops everything"
+            )
             code = stack.wait_trainer()
             status = "done" if code == 0 else f"exited with {code}; see {stack.trainer.log_path}"
             console.print(f"trainer {status}", highlight=False)

@@ -102,11 +102,10 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
         live.shot("charts-live")
 
         live.open("#/system")
-        engine = stack.engine.url
-        live.page.wait_for_selector(f"text={engine}")
+        live.page.wait_for_selector(f'[data-engine="{stack.engine.url}"]')
         env_url = stack.env_urls["game"]
         live.page.wait_for_selector(f'[data-env-instances="{env_url}"]')
-        live.page.wait_for_selector(f"text={stack.worker.url}")
+        assert stack.worker.url in live.page.locator("[data-worker]").first.inner_text()
         assert live.page.locator(".down").count() == 0, live.page.inner_text("body")
         live.shot("system-live")
 
@@ -144,14 +143,14 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
 
 
 def _check_finished(browser: object, url: str, env_url: str) -> None:
-    for path in ("/api/runs", "/api/runs/dash/metrics", "/api/system", "/static/vendor/plotly.min.js"):
+    for path in ("/api/runs", "/api/runs/run/metrics", "/api/system", "/static/vendor/plotly.min.js"):
         response = httpx.get(f"{url}{path}")
         assert response.status_code == 401, path
         assert response.json()["error"]["code"] == "unauthorized"
     page_without = httpx.get(url, headers={"Accept": "text/html"})
     assert page_without.status_code == 401 and "<form" in page_without.text
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    for path in ("/api/runs/../config", "/api/runs/%2e%2e/config", "/api/runs/..%2fdash/config"):
+    for path in ("/api/runs/../config", "/api/runs/%2e%2e/config", "/api/runs/..%2frun/config"):
         refused = httpx.get(httpx.URL(f"{url}{path}"), headers=auth)
         assert refused.status_code == 404, (path, refused.text)
 
@@ -170,10 +169,10 @@ def _check_finished(browser: object, url: str, env_url: str) -> None:
     finished.shot("system-finished")
 
     finished.open("#/runs")
-    finished.page.wait_for_selector("text=xss")
+    finished.page.wait_for_selector('tr[data-run="xss"]')
     finished.shot("runs")
-    finished.open("#/runs/dash/config")
-    finished.page.wait_for_selector("text=bandit")
+    finished.open("#/runs/run/config")
+    assert "game/bandit" in finished.page.locator("pre[data-config-yaml]").inner_text()
     finished.shot("config")
 
     finished.open("#/trajectory/xss/g2-0")
@@ -184,7 +183,8 @@ def _check_finished(browser: object, url: str, env_url: str) -> None:
     assert finished.dialogs == []
     finished.shot("trajectory-script-inert")
     finished.open("#/group/xss/g2")
-    finished.page.wait_for_selector("text=filtered")
+    finished.page.wait_for_selector("a[data-episode].status-filtered")
+    assert finished.page.locator("a[data-episode].status-filtered").count() == 2
     finished.shot("group")
     finished.open("#/charts")
     finished.page.wait_for_selector('[data-chart="success"][data-points]')

@@ -43,16 +43,25 @@ def test_metrics_are_read_incrementally_and_reread_after_truncation(tmp_path: Pa
         "env/game/bandit/success",
         "rollout/success",
     ]
+    cursor = metrics.cursor
     logger = MetricsLogger(run_dir)
     logger.log(11, {"rollout/success": 0.5})
+    logger.log(9, {"eval/success": 0.25})  # an eval round of step 9's policy, logged late
     logger.close()
     metrics.refresh()
-    new = metrics.series(["rollout/success"], 1000, since_step=10)["rollout/success"]
-    assert new["step"] == [11] and new["value"] == [0.5]
+    new = metrics.series(["rollout/success", "eval/success"], 1000, after=cursor)
+    assert new["rollout/success"]["step"] == [11] and new["rollout/success"]["value"] == [0.5]
+    assert new["eval/success"]["step"] == [9]
+    assert metrics.series(["rollout/success"], 1000, after=metrics.cursor)["rollout/success"]["step"] == []
+    logger = MetricsLogger(run_dir)
+    logger.log(5, {"rollout/success": 0.0})  # out of order: kept in step order
+    logger.close()
+    metrics.refresh()
+    assert metrics.series(["rollout/success"], 1000, None)["rollout/success"]["step"][4:7] == [5, 5, 6]
     # A resume from the checkpoint of step 4 truncates the file: the reader starts over.
     MetricsLogger(run_dir, resume_step=4).close()
     metrics.refresh()
-    assert metrics.last_step == 4
+    assert metrics.last_step == 4 and metrics.cursor == 4
     assert metrics.series(["rollout/success"], 1000, None)["rollout/success"]["step"] == [1, 2, 3, 4]
 
 

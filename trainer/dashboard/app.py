@@ -79,9 +79,13 @@ def install_dashboard(
         run: str,
         keys: Annotated[str, Query(description="Comma-separated keys; '*' matches any characters.")] = "*",
         max_points: Annotated[int, Query(ge=10, le=20_000)] = DEFAULT_MAX_POINTS,
-        since_step: Annotated[int | None, Query(ge=0)] = None,
+        after: Annotated[
+            int | None, Query(ge=0, description="A cursor from an earlier answer: only what came since.")
+        ] = None,
     ) -> dict[str, Any]:
-        """Each matching key's points; downsampled past ``max_points`` unless ``since_step`` is given."""
+        """Each matching key's points, downsampled past ``max_points``; with ``after``, only the points
+        logged since that cursor, in full. A ``cursor`` below the one sent means the file was rewritten
+        (a resumed run): load again without ``after``."""
         patterns = [pattern.strip() for pattern in keys.split(",") if pattern.strip()]
         if len(patterns) > MAX_KEYS:
             raise ApiError(400, "bad_request", f"at most {MAX_KEYS} key patterns, got {len(patterns)}")
@@ -91,8 +95,9 @@ def install_dashboard(
             return {
                 "run": run,
                 "last_step": metrics.last_step,
+                "cursor": metrics.cursor,
                 "keys": metrics.keys,
-                "series": metrics.series(metrics.matching(patterns), max_points, since_step),
+                "series": metrics.series(metrics.matching(patterns), max_points, after),
             }
 
     @app.get("/api/runs/{run}/events", tags=["dashboard"])

@@ -13,6 +13,7 @@ trainer a few appended lines, not a re-read of the file; long series are downsam
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fnmatch
 import itertools
@@ -104,16 +105,33 @@ def downsample(
 
 @dataclass
 class _Column:
+    """One key's points in step order; ``rows`` numbers the record each came from (the cursor)."""
+
     steps: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     values: list[float | None] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def add(self, step: int, when: float, value: float | None, row: int) -> None:
+        # Eval rounds are logged at the (earlier) step whose policy they played: insert in order.
+        at = (
+            len(self.steps)
+            if not self.steps or step >= self.steps[-1]
+            else bisect.bisect_right(self.steps, step)
+        )
+        self.steps.insert(at, step)
+        self.times.insert(at, when)
+        self.values.insert(at, value)
+        self.rows.insert(at, row)
 
 
 class MetricsSeries:
     """The columns of one run's ``metrics.jsonl``, appended to as the file grows.
 
-    A file that shrank or was replaced (a resumed run truncates the lines it is about to redo)
-    is read again from the start.
+    ``cursor`` counts the records read; a live page asks for what came after the cursor it was
+    last given, which also brings eval points logged late at an earlier step. A file that shrank
+    or was replaced (a resumed run truncates the lines it is about to redo) is read again from
+    the start, and the cursor goes back, which tells the page to reload.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -124,6 +142,7 @@ class MetricsSeries:
     def _reset(self) -> None:
         self._columns: dict[str, _Column] = {}
         self._offset = 0
+        self.cursor = 0
         self.last_step = 0
         self.last_time: float | None = None
         self.first_time: float | None = None
@@ -150,6 +169,7 @@ class MetricsSeries:
                 self._add(record)
 
     def _add(self, record: dict[str, Any]) -> None:
+        self.cursor += 1
         step = record["step"]
         when = float(record.get("time") or 0.0)
         self.last_step = max(self.last_step, step)
@@ -161,9 +181,7 @@ class MetricsSeries:
             column = self._columns.get(key)
             if column is None:
                 column = self._columns[key] = _Column()
-            column.steps.append(step)
-            column.times.append(when)
-            column.values.append(None if value is None else float(value))
+            column.add(step, when, None if value is None else float(value), self.cursor)
 
     @property
     def keys(self) -> list[str]:
@@ -183,20 +201,22 @@ class MetricsSeries:
             keys += [key for key in sorted(found) if key in self._columns and key not in keys]
         return keys
 
-    def series(self, keys: list[str], max_points: int, since_step: int | None) -> dict[str, dict[str, Any]]:
-        """Each key's points in step order: after ``since_step`` in full, else downsampled."""
+    def series(self, keys: list[str], max_points: int, after: int | None) -> dict[str, dict[str, Any]]:
+        """Each key's points in step order: those of records after cursor ``after`` in full, else
+        all of them downsampled. Times are rounded to 10 ms (a third of the bytes of full floats)."""
         out: dict[str, dict[str, Any]] = {}
         for key in keys:
             column = self._columns[key]
-            points = sorted(zip(column.steps, column.times, column.values, strict=True), key=lambda p: p[0])
-            if since_step is not None:
-                points = [point for point in points if point[0] > since_step]
-            steps = [p[0] for p in points]
-            times = [p[1] for p in points]
-            values = [p[2] for p in points]
-            downsampled = since_step is None and len(steps) > max_points
+            steps, times, values = column.steps, column.times, column.values
+            if after is not None:
+                picked = [i for i, row in enumerate(column.rows) if row > after]
+                steps = [steps[i] for i in picked]
+                times = [times[i] for i in picked]
+                values = [values[i] for i in picked]
+            downsampled = after is None and len(steps) > max_points
             if downsampled:
                 steps, times, values = downsample(steps, times, values, max_points)
+            times = [round(t, 2) for t in times]
             out[key] = {"step": steps, "time": times, "value": values, "downsampled": downsampled}
         return out
 
