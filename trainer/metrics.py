@@ -239,7 +239,11 @@ def truncate_metrics(run_dir: str | Path, after_step: int) -> int:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         return 0
-    kept = [line for line in lines if (record := parse_metrics_line(line)) is not None and record["step"] <= after_step]
+    kept = [
+        line
+        for line in lines
+        if (record := parse_metrics_line(line)) is not None and record["step"] <= after_step
+    ]
     if len(kept) == len(lines):
         return 0
     fd, temp = tempfile.mkstemp(prefix=f".{METRICS_FILE}.tmp-", dir=path.parent)
