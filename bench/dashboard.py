@@ -6,9 +6,12 @@
    playwright) loads the charts page of each, alternating, and the time is from navigation start
    until every chart has drawn its points. The server downsamples each series to 1,000 points.
 2. **Training with the page open.** A real run (``bring_up`` on ``configs/bandit-tiny.yaml``):
-   updates alternate between phases with no page and phases with the charts page and the system
-   page open in Chromium (each polls every 2 s); the mean ``system/update_s`` and
-   ``system/step_time_s`` of the updates in each phase are compared.
+   updates alternate between phases with no page, with the charts page and the system page open
+   in Chromium (each polls every 2 s), and with the same requests made over HTTP by a thread (the
+   trainer's cost alone: on this 2-core machine Chromium drawing the charts competes for the
+   cores, which a browser on the user's own machine would not); the mean ``system/update_s`` and
+   ``system/step_time_s`` of each kind of phase are compared, and the trainer's own request
+   counter shows the pages were polling.
 
 Results go to ``bench/results/dashboard.json``.
 """
@@ -22,8 +25,11 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT / "bench"]
@@ -105,47 +111,87 @@ def bench_page_load(browser: object, rounds: int) -> dict[str, float]:
     return {"load_ms_100_steps": small, "load_ms_10000_steps": large, "ratio": large / small}
 
 
-def bench_training(browser: object, phases: int, steps_per_phase: int) -> dict[str, float]:
+def dashboard_requests(url: str) -> float:
+    """Requests the trainer has answered on its dashboard routes (its own Prometheus counter)."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("http_requests_total{") and ('route="/api' in line or 'route="/status"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Poller(threading.Thread):
+    """What an open charts page and system page ask for every 2 s, without a browser: isolates the
+    trainer's own cost of serving them from the browser's CPU on this shared 2-core machine."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10.0) as client:
+            run = client.get("/api/runs").json()["live_run"]
+            cursor = client.get(f"/api/runs/{run}/metrics", params={"keys": "*"}).json()["cursor"]
+            while not self.done.wait(2.0):
+                for path in ("/api/runs", "/status", "/api/system"):
+                    client.get(path)
+                cursor = client.get(f"/api/runs/{run}/metrics", params={"keys": "*", "after": cursor}).json()[
+                    "cursor"
+                ]
+
+
+def bench_training(browser: object, rounds: int, steps_per_phase: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        total = phases * steps_per_phase + 2
         overrides = [
             "run.name=bench-dashboard",
             f"run.output_dir={tmp_path / 'run'}",
             f"model.path={tmp_path / 'model'}",
             f"dashboard.port={free_port()}",
-            f"optim.total_steps={total}",
+            "optim.total_steps=100000",  # stopped once the phases are done
             "checkpoint.save_every=1000",
             "eval.every=0",
             "eval.episodes=8",
         ]
+        kinds = ("closed", "open", "polled")
+        phase_steps: dict[str, list[int]] = {kind: [] for kind in kinds}
+        requests: dict[str, float] = dict.fromkeys(kinds, 0.0)
         with bring_up(ROOT / "configs/bandit-tiny.yaml", overrides) as stack:
-            phase_steps: dict[str, list[int]] = {"closed": [], "open": []}
-            pages: list[object] = []
+            url = stack.trainer.url
 
             def step() -> int:
                 status = stack.trainer_status() or {}
                 return int(status.get("step", 0))
 
             wait_until(lambda: step() >= 2, "the first updates", deadline_s=300, interval_s=0.5)
-            for phase in range(phases):
-                kind = "open" if phase % 2 else "closed"
-                if kind == "open":
-                    for route in ("#/charts", "#/system"):
-                        page = browser.new_page()  # type: ignore[attr-defined]
-                        page.goto(f"{stack.trainer.url}/{route}")
-                        pages.append(page)
-                first = step() + 1
-                wait_until(
-                    lambda first=first: step() >= first + steps_per_phase,
-                    f"{steps_per_phase} updates with the page {kind}",
-                    deadline_s=600,
-                    interval_s=0.5,
-                )
-                phase_steps[kind] += list(range(first + 1, first + steps_per_phase))  # whole updates only
-                for page in pages:
-                    page.close()  # type: ignore[attr-defined]
-                pages.clear()
+            for _ in range(rounds):
+                for kind in kinds:
+                    pages: list[object] = []
+                    poller = Poller(url) if kind == "polled" else None
+                    if kind == "open":
+                        for route in ("#/charts", "#/system"):
+                            page = browser.new_page()  # type: ignore[attr-defined]
+                            page.goto(f"{url}/{route}")
+                            pages.append(page)
+                    if poller is not None:
+                        poller.start()
+                    served = dashboard_requests(url)
+                    first = step() + 1
+                    wait_until(
+                        lambda first=first: step() >= first + steps_per_phase,
+                        f"{steps_per_phase} updates ({kind})",
+                        deadline_s=600,
+                        interval_s=0.5,
+                    )
+                    requests[kind] += dashboard_requests(url) - served
+                    phase_steps[kind] += list(range(first + 1, first + steps_per_phase))  # whole updates only
+                    for page in pages:
+                        page.close()  # type: ignore[attr-defined]
+                    if poller is not None:
+                        poller.done.set()
+                        poller.join(timeout=30)
             stack.trainer.process.terminate()
             stack.trainer.process.wait(timeout=120)
         records = {record["step"]: record for record in read_metrics(tmp_path / "run")}
@@ -155,18 +201,23 @@ def bench_training(browser: object, phases: int, steps_per_phase: int) -> dict[s
         for kind, steps in phase_steps.items():
             values = [records[s][key] for s in steps if s in records and records[s].get(key) is not None]
             result[f"{kind}_{name}"] = statistics.fmean(values)
-        result[f"ratio_{name}"] = result[f"open_{name}"] / result[f"closed_{name}"]
         print(
-            f"{key}: page closed {result[f'closed_{name}']:.3f} s, open {result[f'open_{name}']:.3f} s "
-            f"({result[f'ratio_{name}']:.3f}x over {len(phase_steps['open'])} updates each way)"
+            f"{key} over {len(phase_steps['closed'])} updates each: no page {result[f'closed_{name}']:.3f} s, "
+            f"pages open in Chromium {result[f'open_{name}']:.3f} s ({result[f'open_{name}'] / result[f'closed_{name}']:.3f}x), "
+            f"polled over HTTP {result[f'polled_{name}']:.3f} s ({result[f'polled_{name}'] / result[f'closed_{name}']:.3f}x)"
         )
+    for kind in kinds:
+        result[f"{kind}_dashboard_requests"] = requests[kind]
+    print(
+        "dashboard requests the trainer answered: " + ", ".join(f"{k} {v:.0f}" for k, v in requests.items())
+    )
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="Page loads of each run.")
-    parser.add_argument("--phases", type=int, default=4, help="Alternating closed/open phases.")
+    parser.add_argument("--rounds-training", type=int, default=2, help="Rounds of closed/open/polled phases.")
     parser.add_argument("--steps-per-phase", type=int, default=12)
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
@@ -176,7 +227,7 @@ def main() -> None:
             executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
         )
         load = bench_page_load(browser, args.rounds)
-        training = bench_training(browser, args.phases, args.steps_per_phase)
+        training = bench_training(browser, args.rounds_training, args.steps_per_phase)
         browser.close()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(

@@ -6,6 +6,7 @@ the hot path of every env step, and plain ASGI costs a few microseconds where th
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
@@ -142,15 +143,19 @@ class TokenAuth:
 
     Programs send ``Authorization: Bearer <token>``. A browser signs in once, through the login
     form (``POST /login``) or a link with ``?token=<token>``; both set an HttpOnly, SameSite=Strict
-    cookie holding the token, and ``?token=`` is answered with a redirect to the same URL without
-    it, so the token does not stay in the address bar or the history. An unauthenticated request
-    that accepts HTML gets the login form, with status 401; any other gets the JSON 401.
+    cookie holding an HMAC of the token, and ``?token=`` is answered with a redirect to the same
+    URL without it, so the token does not stay in the address bar or the history. An
+    unauthenticated request that accepts HTML gets the login form, with status 401; any other
+    gets the JSON 401.
     """
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
         self.token = token.encode()
         self.expected = b"Bearer " + self.token
+        # The cookie holds a digest of the token, not the token: it is cookie-safe whatever
+        # characters the token has, and the browser never stores the token itself.
+        self.cookie_value = hmac.new(self.token, b"stargym sign-in cookie", hashlib.sha256).hexdigest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
@@ -169,7 +174,8 @@ class TokenAuth:
             rest = urlencode(
                 [(k, v) for k, values in query.items() if k != "token" for v in values], doseq=True
             )
-            await self._signed_in(send, scope["path"] + (f"?{rest}" if rest else ""))
+            path = scope.get("raw_path") or scope["path"].encode()
+            await self._signed_in(send, path.decode("latin-1") + (f"?{rest}" if rest else ""))
             return
         if b"text/html" in headers.get(b"accept", b""):
             await self._login_page(send, 401, "")
@@ -184,7 +190,7 @@ class TokenAuth:
         except CookieError:
             return False
         morsel = cookies.get(TOKEN_COOKIE)
-        return morsel is not None and hmac.compare_digest(morsel.value.encode(), self.token)
+        return morsel is not None and hmac.compare_digest(morsel.value.encode(), self.cookie_value.encode())
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -203,7 +209,7 @@ class TokenAuth:
             await self._login_page(send, 401, '<p class="error">Wrong token.</p>')
 
     async def _signed_in(self, send: Send, location: str) -> None:
-        cookie = f"{TOKEN_COOKIE}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict"
+        cookie = f"{TOKEN_COOKIE}={self.cookie_value}; Path=/; HttpOnly; SameSite=Strict"
         headers = [(b"location", location.encode("latin-1")), (b"set-cookie", cookie.encode("latin-1"))]
         await send(
             {"type": "http.response.start", "status": 303, "headers": [*headers, (b"content-length", b"0")]}

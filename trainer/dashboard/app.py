@@ -185,7 +185,10 @@ def install_dashboard(
             "step": first.get("step"),
             "status": first.get("status"),
             "reward_std": first.get("group_reward_std"),
-            "trajectories": [summary(record) for record in members],
+            "trajectories": [
+                summary(record) | {"replies": [turn.get("response", "") for turn in record.get("turns", [])]}
+                for record in members
+            ],
         }
 
     @app.get("/api/system", tags=["dashboard"])

@@ -1417,7 +1417,9 @@ async function pageGroup(ctx, page, where) {
       ['seed', String(m.seed)], ['policy v', fmtNum(m.policy_version)],
       m.reason ? ['reason', m.reason] : null,
       m.error ? ['error', el('span', { class: 'down-text' }, m.error)] : null,
-    ].filter(Boolean))))),
+    ].filter(Boolean)),
+    el('ol', { class: 'episode-replies', 'data-replies': '' },
+      (m.replies || []).map((reply) => el('li', {}, el('code', {}, reply))))))),
   );
 }
 
