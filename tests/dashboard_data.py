@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def episode(job_id: str, group_id: str, *, reward: float, observation: str = "Pi
 
 
 def make_run(root: Path, name: str, *, steps: int, state: str = "done") -> Path:
-    """A finished run: ``steps`` metric lines, one kept and one filtered group, a status file."""
+    """A finished run: ``steps`` metric lines, one kept and one filtered group, an echo-trap event
+    (whose message holds a ``<script>``), a status file."""
     run_dir = root / name
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(CONFIG_YAML.format(name=name, total=steps))
@@ -89,6 +91,13 @@ def make_run(root: Path, name: str, *, steps: int, state: str = "done") -> Path:
     filtered = [episode(f"g2-{i}", "g2", reward=0.0, observation=SCRIPT) for i in range(2)]
     recorder.record_group(filtered, status="filtered", step=1, group_reward_std=0.0)
     recorder.close()
+    event = {
+        "kind": "collapse",
+        "step": 2,
+        "message": f"reward std collapsed {SCRIPT}",
+        "details": {"ratio": 0.1},
+    }
+    (run_dir / "echo_trap.jsonl").write_text(json.dumps(event) + "\n")
     write_run_status(
         run_dir,
         RunStatus(

@@ -5,19 +5,30 @@ points as updates complete, the system view shows the env server, the rollout wo
 and Redis, and the trajectory viewer opens an episode whose token view has masked and unmasked
 tokens. After it (``stargym dashboard RUNS_DIR`` with ``STARGYM_API_TOKEN``): nothing is readable
 without the token, ``?token=`` signs the browser in, the live instance count equals the env
-server's ``/instances``, a trajectory holding ``<script>alert(1)</script>`` renders as text, and
-``../`` is refused. A screenshot of every page goes to ``test-output/dashboard/``.
+server's ``/instances``, a stopped engine turns red with its error, a trajectory (and an echo-trap
+message) holding ``<script>alert(1)</script>`` renders as text, two runs overlay on one chart, a
+chart exports as PNG and a trajectory as JSON, and ``../`` is refused. A screenshot of every page
+goes to ``test-output/dashboard/``.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, stop_server, wait_until
+from conftest import (
+    REPO_ROOT,
+    RunningServer,
+    free_port,
+    short_run_overrides,
+    start_server,
+    stop_server,
+    wait_until,
+)
 from dashboard_data import SCRIPT, make_run
 
 from deploy.up import bring_up
@@ -138,12 +149,12 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
             name="dashboard",
         )
         try:
-            _check_finished(browser, server.url, env_url)
+            _check_finished(browser, server.url, env_url, stack.engine)
         finally:
             stop_server(server.process)
 
 
-def _check_finished(browser: object, url: str, env_url: str) -> None:
+def _check_finished(browser: object, url: str, env_url: str, engine: RunningServer) -> None:
     for path in ("/api/runs", "/api/runs/run/metrics", "/api/system", "/static/vendor/plotly.min.js"):
         response = httpx.get(f"{url}{path}")
         assert response.status_code == 401, path
@@ -172,6 +183,11 @@ def _check_finished(browser: object, url: str, env_url: str) -> None:
         lambda: counter.inner_text().strip() == str(expected), f"{expected} instances shown", deadline_s=20
     )
     finished.shot("system-finished")
+    engine.stop()  # a dead service shows red, with its error
+    dead = finished.page.locator(f'[data-engine="{engine.url}"].down')
+    dead.wait_for()
+    assert "connect" in dead.inner_text(), dead.inner_text()
+    finished.shot("system-engine-down")
 
     finished.open("#/runs")
     finished.page.wait_for_selector('tr[data-run="xss"]')
@@ -192,8 +208,23 @@ def _check_finished(browser: object, url: str, env_url: str) -> None:
     assert finished.page.locator("a[data-episode].status-filtered").count() == 2
     assert finished.page.locator("[data-replies]").first.inner_text().strip() == "Dragon"
     finished.shot("group")
-    finished.open("#/charts")
-    finished.page.wait_for_selector('[data-chart="success"][data-points]')
+    finished.open("#/trajectory/xss/g1-1")
+    finished.page.wait_for_selector("a[data-download-json]")
+    with finished.page.expect_download() as download:
+        finished.page.click("a[data-download-json]")
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported["job_id"] == "g1-1" and exported["tokens"]["advantages"] == [0, 0, 0, -0.5, -0.5]
+
+    finished.open("#/charts?run=xss&run=run")  # two runs overlaid
+    wait_until(lambda: finished.points("success") > 0, "the overlaid success chart", deadline_s=20)
+    legend = finished.page.locator('[data-chart="success"]').inner_text()
+    assert "xss" in legend and "run" in legend, legend
+    echo = finished.page.locator('tr[data-echo-event="collapse"]')
+    echo.wait_for()
+    assert SCRIPT in echo.inner_text()
+    with finished.page.expect_download() as png:
+        finished.page.click('button[data-export-png="success"]')
+    assert Path(png.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finished.shot("charts-finished")
     assert finished.errors == [], finished.errors
     finished.close()

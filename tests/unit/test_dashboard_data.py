@@ -112,7 +112,7 @@ def test_run_summaries_and_events(tmp_path: Path) -> None:
         {"step": 0, "stage": 0, "max_turns": 2},
         {"step": 5, "stage": 1, "max_turns": 4},
     ]
-    assert events["echo_traps"] == []
+    assert [(e["step"], e["kind"]) for e in events["echo_traps"]] == [(2, "collapse")]
 
 
 def test_trajectory_log_round_trip_filters_and_groups(tmp_path: Path) -> None:
