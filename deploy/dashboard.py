@@ -12,7 +12,6 @@ protects every service.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,15 +19,17 @@ from typing import Annotated, Any
 
 import typer
 from fastapi import FastAPI
+from pydantic import Field
 
 from services.http_app import create_app
 from services.settings import ServiceSettings
 
 
 class DashboardSettings(ServiceSettings):
-    """Where the dashboard listens (``STARGYM_HOST``, ``STARGYM_PORT``, ``STARGYM_API_TOKEN``)."""
+    """Where the dashboard listens and which Redis it watches (``STARGYM_*``, ``REDIS_URL``)."""
 
     port: int = 8300
+    redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
 
 
 def dashboard_command(
@@ -55,7 +56,7 @@ def dashboard_command(
         raise typer.BadParameter(f"{runs_dir} is not a directory", param_hint="RUNS_DIR")
     overrides = {key: value for key, value in {"port": port, "host": host}.items() if value is not None}
     settings = DashboardSettings(**overrides)
-    redis_url = redis_url or os.environ.get("REDIS_URL")
+    redis_url = redis_url or settings.redis_url
     token = settings.api_token.get_secret_value() if settings.api_token is not None else None
     probe = SystemProbe(redis_url=redis_url, env_servers={}, api_token=token) if redis_url else None
 

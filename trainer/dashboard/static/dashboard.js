@@ -157,11 +157,6 @@ function fmtPct(value) {
   return value === null || value === undefined ? '—' : `${(value * 100).toFixed(1)}%`;
 }
 
-function fmtBool(value) {
-  if (value === null || value === undefined) return '—';
-  return value ? 'yes' : 'no';
-}
-
 function localDate(unix) {
   const d = new Date(unix * 1000);
   const day = `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())}`;
