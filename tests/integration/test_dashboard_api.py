@@ -17,7 +17,7 @@ TOKEN = "api-test-token"
 
 def serve(runs_dir: Path, log_dir: Path, token: str | None = None) -> RunningServer:
     port = free_port()
-    env = {"STARGYM_API_TOKEN": token} if token else {}
+    env = {"REDIS_URL": ""} | ({"STARGYM_API_TOKEN": token} if token else {})  # no system view
     return start_server(
         ["dashboard", str(runs_dir), "--port", str(port)], port, log_dir, env=env, name="dashboard"
     )
