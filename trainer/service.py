@@ -23,7 +23,11 @@ One asyncio loop runs everything (issue 4, items 4, 6 and 7):
 Run as N processes (``stargym train --nproc-per-node N``, :mod:`trainer.ranks`), this service is
 rank 0: it hands each rank its share of every batch, and the other ranks run :func:`follow_leader`.
 
-Routes: ``GET /health``, ``GET /metrics``, ``GET /status`` (:class:`TrainerStatus`).
+Routes: ``GET /health``, ``GET /metrics``, ``GET /status`` (:class:`TrainerStatus`), and with
+``dashboard.enabled`` the dashboard (``/``, ``/api/*``; :mod:`trainer.dashboard`). For it the
+trainer also writes ``<run_dir>/status.json`` at every state change and update, and the
+trajectories each update used or filtered out to ``trajectories.jsonl`` (the controller adds the
+groups it drops).
 """
 
 from __future__ import annotations
