@@ -26,6 +26,7 @@ __all__ = [
     "short_run_overrides",
     "start_server",
     "stop_server",
+    "wait_exit",
     "wait_healthy",
     "wait_until",
 ]
@@ -91,6 +92,18 @@ def wait_until(
         time.sleep(interval_s)
     details = "".join(f"\n--- {server.log_path.name}\n{server.log()[-4000:]}" for server in logs)
     raise AssertionError(f"timed out after {deadline_s} s waiting for {what} (last value {value!r}){details}")
+
+
+def wait_exit(service: RunningServer, what: str, deadline_s: float = 8 * 60) -> None:
+    """Wait for ``service`` to exit on its own (a run that ends), then require exit code 0."""
+    wait_until(
+        lambda: service.process.poll() is not None,
+        what,
+        deadline_s=deadline_s,
+        interval_s=1.0,
+        logs=[service],
+    )
+    assert service.process.returncode == 0, service.log()[-6000:]
 
 
 async def eventually(

@@ -27,6 +27,7 @@ from conftest import (
     short_run_overrides,
     start_server,
     stop_server,
+    wait_exit,
     wait_until,
 )
 from dashboard_data import SCRIPT, make_run
@@ -130,14 +131,7 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
         assert live.errors == [], live.errors
         live.close()
 
-        wait_until(
-            lambda: stack.trainer.process.poll() is not None,
-            "the run to finish",
-            deadline_s=6 * 60,
-            interval_s=1.0,
-            logs=[stack.trainer],
-        )
-        assert stack.trainer.process.returncode == 0, stack.trainer.log()[-4000:]
+        wait_exit(stack.trainer, "the run to finish", deadline_s=6 * 60)
 
         make_run(tmp_path, "xss", steps=5)
         port = free_port()

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port, short_run_overrides, wait_until
+from conftest import REPO_ROOT, free_port, short_run_overrides, wait_exit
 
 from deploy.up import bring_up
 from trainer.controller import read_controller_log
@@ -37,14 +37,7 @@ def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, empty_re
         "eval.temperature=0",
     ]
     with bring_up(REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=redis_url) as stack:
-        wait_until(
-            lambda: stack.trainer.process.poll() is not None,
-            "the trainer to finish 5 updates and its evaluations",
-            deadline_s=8 * 60,
-            interval_s=1.0,
-            logs=[stack.trainer],
-        )
-        assert stack.trainer.process.returncode == 0, stack.trainer.log()[-4000:]
+        wait_exit(stack.trainer, "the trainer to finish 5 updates and its evaluations")
 
     rounds = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     # Every 2 updates, then the final policy (step 5) at the end of the run.

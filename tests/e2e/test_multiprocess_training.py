@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, wait_until
+from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, wait_exit
 
-from deploy.launcher import ServiceProcess
 from deploy.train import parse_overrides
 from deploy.up import bring_up
 from services.policy import load_state_dict
@@ -61,13 +60,6 @@ class StreamTap:
         self._stop.set()
         self._thread.join(timeout=10)
         self.client.close()
-
-
-def wait_exit(service: ServiceProcess, what: str) -> None:
-    wait_until(
-        lambda: service.process.poll() is not None, what, deadline_s=8 * 60, interval_s=1.0, logs=[service]
-    )
-    assert service.process.returncode == 0, service.log()[-6000:]
 
 
 def test_two_processes_train_resume_and_match_one(tmp_path: Path, empty_redis_url: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import wait_until
+from conftest import wait_exit
 
 from deploy.model_init import init_tiny_model
 from deploy.up import bring_up
@@ -48,14 +48,7 @@ def test_starpo_s_with_defaults_trains(tmp_path: Path, empty_redis_url: str) -> 
         )
     )
     with bring_up(config, redis_url=redis_url) as stack:
-        wait_until(
-            lambda: stack.trainer.process.poll() is not None,
-            f"the trainer to finish {UPDATES} updates",
-            deadline_s=20 * 60,
-            interval_s=2.0,
-            logs=[stack.trainer],
-        )
-        assert stack.trainer.process.returncode == 0, stack.trainer.log()[-4000:]
+        wait_exit(stack.trainer, f"the trainer to finish {UPDATES} updates", deadline_s=20 * 60)
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "train/pg_loss" in r] == list(range(1, UPDATES + 1))
     assert {r["rollout/kept_ratio"] for r in records if "rollout/kept_ratio" in r} == {0.25}

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import orjson
 
 from services.rollout_protocol import Trajectory
-from trainer.audit_log import RotatingJsonl, rotated_path
+from trainer.audit_log import DEFAULT_KEEP, DEFAULT_MAX_BYTES, RotatingJsonl, rotated_path
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
 RecordStatus = Literal["kept", "filtered", "dropped"]
@@ -86,7 +86,9 @@ def trajectory_record(
 class TrajectoryRecorder:
     """Appends trajectory records to ``<run_dir>/trajectories.jsonl`` (bounded by rotation)."""
 
-    def __init__(self, run_dir: str | Path, *, max_bytes: int = 16 * 1024 * 1024, keep: int = 4) -> None:
+    def __init__(
+        self, run_dir: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP
+    ) -> None:
         self._log = RotatingJsonl(Path(run_dir) / TRAJECTORIES_FILE, max_bytes=max_bytes, keep=keep)
 
     def record_group(
