@@ -37,9 +37,24 @@ browser:
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# Everything CI runs, the vLLM and browser tests included.
-test: setup vllm-venv browser
-	$(WITH_VLLM) $(PYTEST) tests --durations=10; $(NO_TESTS_IS_FAILURE)
+# docker-compose.yml runs here without a Docker engine: podman, its config and a base image built
+# locally (deploy/docker/podman-setup.sh), and this host's CPU torch wheel in the image build
+# context, so the image build does not download torch (deploy/docker/Dockerfile prefers it).
+WHEELHOUSE := deploy/docker/wheelhouse
+.PHONY: podman test-compose
+podman: setup
+	deploy/docker/podman-setup.sh
+	@links="$$($(BIN)/python -m pip config get global.find-links 2>/dev/null)"; \
+	for wheel in $$links/torch-2.13.0+cpu-*.whl; do \
+		if [ -f "$$wheel" ]; then cp -u "$$wheel" $(WHEELHOUSE)/; fi; done
+
+# Everything CI runs, the vLLM, browser and compose tests included.
+test: setup vllm-venv browser podman
+	$(WITH_VLLM) STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests --durations=10; $(NO_TESTS_IS_FAILURE)
+
+# Builds the images, brings the compose file's cpu profile up, trains 3 updates, tears it down.
+test-compose: podman
+	STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests/e2e/test_compose.py --durations=5; $(NO_TESTS_IS_FAILURE)
 
 test-fast: setup
 	$(PYTEST) tests -m "not slow and not vllm and not compose and not browser"

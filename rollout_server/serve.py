@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from rollout_server.settings import WorkerSettings, parse_engine_urls
-from services.contracts import parse_family_urls
+from services.contracts import parse_env_servers
 from services.serving import run_service, settings_from_flags
 
 
@@ -26,13 +26,16 @@ def rollout_command(
         list[str] | None,
         typer.Option(
             "--engine-url",
-            help="Inference server(s), comma-separated or repeated [STARGYM_ROLLOUT_ENGINE_URLS].",
+            help="Inference server(s), comma-separated or repeated; a name that resolves to several "
+            "addresses is one server per address [STARGYM_ROLLOUT_ENGINE_URLS].",
         ),
     ] = None,
     env: Annotated[
         list[str] | None,
         typer.Option(
-            "--env", help="FAMILY=URL of an env server, repeated per family [STARGYM_ROLLOUT_ENV_URLS]."
+            "--env",
+            help="FAMILY=URL[,URL...]: the env servers of a family, repeated per family; a name that "
+            "resolves to several addresses is one server per address [STARGYM_ROLLOUT_ENV_URLS].",
         ),
     ] = None,
     concurrency: Annotated[
@@ -96,9 +99,9 @@ def rollout_command(
     run_service(build_app(settings, loaded), settings)
 
 
-def _env_urls(values: list[str]) -> dict[str, str]:
+def _env_urls(values: list[str]) -> dict[str, list[str]]:
     try:
-        return parse_family_urls(values)
+        return parse_env_servers(values)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--env") from None
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import socket
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from services.contracts import ROLLOUT_PORT, parse_family_urls
-from services.settings import ONE_MIB, ServiceSettings
+from services.contracts import ROLLOUT_PORT, parse_env_servers
+from services.settings import ONE_MIB, OptionalToken, ServiceSettings
 
 ENV_PREFIX = "STARGYM_ROLLOUT_"
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -44,7 +44,7 @@ class WorkerSettings(ServiceSettings):
 
     host: str = Field(default="127.0.0.1", validation_alias=_shared("host"))
     port: int = Field(default=ROLLOUT_PORT, validation_alias=_shared("port"))
-    api_token: SecretStr | None = Field(
+    api_token: OptionalToken = Field(
         default=None,
         validation_alias=_shared("api_token"),
         description="When set, every route but /health needs 'Authorization: Bearer <token>'.",
@@ -57,11 +57,25 @@ class WorkerSettings(ServiceSettings):
     )
     engine_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["http://127.0.0.1:8210"],
-        description="Inference servers speaking the engine protocol; episodes are spread over them.",
+        description="Inference servers speaking the engine protocol; episodes are spread over them. "
+        "A name that resolves to several addresses (a headless Service) is one engine per address.",
     )
-    env_urls: Annotated[dict[str, str], NoDecode] = Field(
-        default_factory=lambda: {"game": "http://127.0.0.1:8101"},
-        description="Env server of each env family: a job for 'game/frozenlake' goes to 'game'.",
+    env_urls: Annotated[dict[str, list[str]], NoDecode] = Field(
+        default_factory=lambda: {"game": ["http://127.0.0.1:8101"]},
+        description="Env servers of each env family, 'game=http://a:8101,http://b:8101;search=…': a job "
+        "for 'game/frozenlake' goes to the 'game' server with the fewest episodes in flight. A name "
+        "that resolves to several addresses (a headless Service, compose --scale) is one server per "
+        "address.",
+    )
+    resolve_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How often the env server and engine names are resolved again, so that replicas "
+        "added or removed are used or left within this time. 10 s: a new replica starts taking episodes "
+        "10 s after it turns ready at worst, which is little next to an engine's start-up (a minute for "
+        "vLLM); a removed one's few episodes meanwhile fail and are rerun elsewhere; one lookup per "
+        "name per interval costs nothing; and Kubernetes' CoreDNS answers Service records with a 5 s "
+        "TTL, so looking more often would mostly read its cache.",
     )
     tokenizer: str | None = Field(
         default=None,
@@ -142,8 +156,8 @@ class WorkerSettings(ServiceSettings):
         "(0.0.0.0, ::). Set it when that name does not resolve for the dashboard (e.g. "
         "http://rollout:8200 for a compose service named 'rollout').",
     )
-    env_api_token: SecretStr | None = Field(default=None, description="Bearer token of the env servers.")
-    engine_api_token: SecretStr | None = Field(default=None, description="Bearer token of the engines.")
+    env_api_token: OptionalToken = Field(default=None, description="Bearer token of the env servers.")
+    engine_api_token: OptionalToken = Field(default=None, description="Bearer token of the engines.")
 
     @field_validator("engine_urls", mode="before")
     @classmethod
@@ -152,8 +166,8 @@ class WorkerSettings(ServiceSettings):
 
     @field_validator("env_urls", mode="before")
     @classmethod
-    def _env_urls(cls, value: Any) -> dict[str, str]:
-        return parse_family_urls(value)
+    def _env_urls(cls, value: Any) -> dict[str, list[str]]:
+        return parse_env_servers(value)
 
     @model_validator(mode="after")
     def _touch_before_timeout(self) -> WorkerSettings:

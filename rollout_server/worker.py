@@ -4,8 +4,18 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
 
 * **consume**: read jobs in the ``rollout`` group under a consumer name unique to this process,
   never more than ``concurrency`` episodes at once;
-* **play**: each job is one episode (:func:`rollout_server.episode.run_episode`) against the env
-  server of its family (``game/frozenlake`` → the ``game`` URL) and the least busy engine;
+* **play**: each job is one episode (:func:`rollout_server.episode.run_episode`) against one env
+  server of its family (``game/frozenlake`` → a ``game`` server) and one engine, each the one with
+  the fewest episodes in flight (ties in turn). An episode creates, steps and closes its env
+  instance on the one server it started on; a rerun after an env error picks again;
+* **replicas**: a family may have several env servers (``--env game=URL,URL``) and there may be
+  several engines; a configured name that resolves to several addresses (a Kubernetes headless
+  Service, ``docker compose --scale``) counts as one server per address
+  (:mod:`services.endpoints`). Names are resolved again every ``resolve_interval_s``: a new env
+  server takes episodes at once; a new engine first has its version read and, when the worker
+  already knows the policy to serve, that policy loaded (it starts on its base weights), and only
+  then takes episodes; a vanished address takes no new episodes and is closed once its running
+  ones finish. A failed lookup keeps the servers last known and is logged once per failure streak;
 * **complete**: :func:`services.queue.complete_job` publishes the trajectory and acks the job in
   one Lua script, deduplicated by ``job_id``: a job is acked only once its trajectory is in the
   stream, and a job run twice (after a reclaim) is published once;
@@ -20,9 +30,9 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
   published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
   request retried by the engine client (for ``engine_busy_timeout_s``; counted as
   ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them.
-* **heartbeat**: the worker's entry in the ``stargym:workers`` hash (its URL, env servers, engines
-  and :class:`WorkerStatus`) is rewritten every ``heartbeat_s`` and deleted on a clean stop, so
-  the dashboard finds every worker and the services behind it;
+* **heartbeat**: the worker's entry in the ``stargym:workers`` hash (its URL, the env servers and
+  engines it uses now, and :class:`WorkerStatus`) is rewritten every ``heartbeat_s`` and deleted
+  on a clean stop, so the dashboard finds every worker and the services behind it;
 * **shutdown**: :meth:`RolloutWorker.shutdown` (SIGTERM, through uvicorn's lifespan) stops taking
   jobs, lets in-flight episodes finish for ``shutdown_grace_s`` and abandons the rest, which stay
   pending and are reclaimed by another worker.
@@ -32,9 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
-import random
 import socket
 import time
 import uuid
@@ -44,11 +54,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollout_server.episode import EpisodeEnvError, run_episode
 from rollout_server.settings import WorkerSettings
+from services.endpoints import Discovery, Endpoint, Resolver, ServerPool, pick_least_busy
 from services.engine_client import EngineClient, EngineClientError
 from services.env_client import EnvClient, EnvClientError
 from services.http_client import Backoff
@@ -66,6 +79,7 @@ from services.rollout_protocol import (
     WORKER_ENTRY_MAX_AGE_S,
     WORKERS_KEY,
     EngineStatus,
+    EnvServerStatus,
     PolicyPointer,
     RolloutJob,
     Trajectory,
@@ -143,15 +157,25 @@ class ReloadGate:
                 self._cond.notify_all()
 
 
-@dataclass
+@dataclass(eq=False)
 class EngineSlot:
     """One inference server: its client, the version it serves, and its reload gate."""
 
     url: str
+    """How it is shown (:attr:`services.endpoints.Endpoint.url`)."""
+    target: str
+    """What its client connects to (:attr:`services.endpoints.Endpoint.target`): what identifies it."""
     client: EngineClient
     version: int | None = None
     max_model_len: int | None = None
     gate: ReloadGate = field(default_factory=ReloadGate)
+    ready: bool = False
+    """Admitted (see :meth:`RolloutWorker._admit`): episodes may be sent to it."""
+    retired: bool = False
+    """Gone from DNS: no new episodes; removed once ``leases`` is back to 0."""
+    leases: int = 0
+    """Episodes that picked it, running or waiting at its gate (what the least-busy choice counts)."""
+    admission: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
 class _Metrics:
@@ -183,6 +207,38 @@ class _Metrics:
         )
 
 
+class _ServerLoad(Collector):
+    """Episodes in flight per env server and per engine, read from the worker at scrape time (so a
+    server that is gone simply stops being listed)."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self._worker = worker
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return list(self._families())
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        envs, engines = self._families()
+        for server in self._worker.env_server_statuses():
+            envs.add_metric([server.family, server.url], server.in_flight)
+        for engine in self._worker.engine_statuses():
+            engines.add_metric([engine.url], engine.in_flight)
+        return [envs, engines]
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "rollout_env_server_episodes_in_flight",
+                "Episodes playing on each env server",
+                labels=["family", "url"],
+            ),
+            GaugeMetricFamily(
+                "rollout_engine_episodes_in_flight", "Episodes running on each engine", labels=["url"]
+            ),
+        )
+
+
 class RolloutWorker:
     """The queue worker; run it with :meth:`run` and stop it with :meth:`shutdown`."""
 
@@ -193,19 +249,30 @@ class RolloutWorker:
         *,
         registry: CollectorRegistry | None = None,
         run_episode: EpisodeRunner | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
-        """``run_episode`` replaces :func:`rollout_server.episode.run_episode` (same signature)."""
+        """``run_episode`` replaces :func:`rollout_server.episode.run_episode` (same signature);
+        ``resolver`` replaces DNS (``host → addresses``, see :mod:`services.endpoints`)."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.consumer = settings.consumer or default_consumer_name()
         self._run_episode = run_episode
-        self._metrics = _Metrics(registry or CollectorRegistry())
+        registry = registry or CollectorRegistry()
+        self._metrics = _Metrics(registry)
+        registry.register(_ServerLoad(self))
         self._redis: Redis | None = None
         self._jobs: StreamQueue[RolloutJob] | None = None
         self._trajectories: StreamQueue[Trajectory] | None = None
-        self._envs: dict[str, EnvClient] = {}
+        self._env_discovery = {
+            family: Discovery(urls, resolver, what=f"env servers of {family!r}")
+            for family, urls in settings.env_urls.items()
+        }
+        self._envs: dict[str, ServerPool[EnvClient]] = {}
         self._instructions: dict[str, str] = {}
+        self._engine_discovery = Discovery(settings.engine_urls, resolver, what="engines")
         self._slots: list[EngineSlot] = []
+        self._slots_changed = asyncio.Condition()
+        self._engine_turn = itertools.count()
         self._in_flight: dict[str, asyncio.Task[None]] = {}  # entry id → task
         self._capacity = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -234,8 +301,12 @@ class RolloutWorker:
         """Consume and play jobs until :meth:`shutdown`; returns once everything is closed."""
         try:
             await self._open()
-            # Registered from the start, so a worker stuck waiting for its engines is seen too.
-            self._background = [asyncio.create_task(self._heartbeat(), name="heartbeat")]
+            # Registered from the start, so a worker stuck waiting for its engines is seen too;
+            # resolving too, so engines that replace unreachable ones are found while it waits.
+            self._background = [
+                asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                asyncio.create_task(self._discover(), name="discover"),
+            ]
             if await self._prepare():
                 self._background += [
                     asyncio.create_task(self._watch_policy(), name="watch-policy"),
@@ -245,9 +316,10 @@ class RolloutWorker:
                 await self._consume_loop()
             await self._drain()
         finally:
-            for task in self._background:
+            tasks = self._background + [slot.admission for slot in self._slots if slot.admission]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._unregister()
             await self._close()
 
@@ -256,6 +328,8 @@ class RolloutWorker:
         finish and leave the rest pending (another worker reclaims them); await ``run`` to wait."""
         self._stopping.set()
         self._capacity.set()
+        async with self._slots_changed:  # wakes _prepare waiting for a first engine
+            self._slots_changed.notify_all()
 
     @property
     def stopping(self) -> bool:
@@ -267,28 +341,13 @@ class RolloutWorker:
         self._jobs = job_queue(self._redis)
         self._trajectories = trajectory_queue(self._redis)
         env_token = settings.env_api_token.get_secret_value() if settings.env_api_token else None
-        for family, url in settings.env_urls.items():
-            client = EnvClient(url, token=env_token)
-            await client.open()
-            self._envs[family] = client
-        engine_token = settings.engine_api_token.get_secret_value() if settings.engine_api_token else None
-        for url in settings.engine_urls:
-            # One client per server: each has its own version and reload gate.
-            client = EngineClient(
-                [url],
-                token=engine_token,
-                backoff_s=settings.engine_backoff_s,
-                max_backoff_s=settings.engine_max_backoff_s,
-                busy_timeout_s=settings.engine_busy_timeout_s,
-                on_busy=self._engine_busy,
-            )
-            await client.open()
-            self._slots.append(EngineSlot(url=url, client=client))
+        for family in self._env_discovery:
+            self._envs[family] = ServerPool(lambda url: EnvClient(url, token=env_token))
+        await self._resolve()
 
     async def _close(self) -> None:
-        for client in self._envs.values():
-            with contextlib.suppress(Exception):
-                await client.aclose()
+        for pool in self._envs.values():
+            await pool.aclose()
         for slot in self._slots:
             with contextlib.suppress(Exception):
                 await slot.client.aclose()
@@ -297,7 +356,11 @@ class RolloutWorker:
                 await self._redis.aclose()
 
     async def _prepare(self) -> bool:
-        """Create the groups and learn each engine's version; False if stopped meanwhile."""
+        """Create the groups and wait for a first engine to be admitted; False if stopped meanwhile.
+
+        One engine is enough to start: the others join as they are admitted, so a replica that
+        never comes up does not hold the worker back.
+        """
         assert self._jobs is not None and self._trajectories is not None
         backoff = Backoff(self.settings.redis_backoff_s, self.settings.redis_max_backoff_s)
         while not self.stopping:
@@ -308,16 +371,8 @@ class RolloutWorker:
             except _TRANSIENT as exc:
                 self._redis_error("creating the consumer groups", exc)
                 await self._sleep(backoff.next_delay())
-        for slot in self._slots:
-            backoff = Backoff(self.settings.engine_backoff_s, self.settings.engine_max_backoff_s)
-            while not self.stopping and slot.version is None:
-                try:
-                    slot.max_model_len = await asyncio.wait_for(slot.client.max_model_len(), ADMIN_TIMEOUT_S)
-                    slot.version = await asyncio.wait_for(self._engine_version(slot), ADMIN_TIMEOUT_S)
-                except Exception as exc:
-                    logger.warning("engine %s: not ready yet: %s: %s", slot.url, type(exc).__name__, exc)
-                    await self._sleep(backoff.next_delay())
-        self._update_version_gauge()
+        async with self._slots_changed:
+            await self._slots_changed.wait_for(lambda: self.stopping or bool(self._ready_slots()))
         return not self.stopping
 
     async def _engine_version(self, slot: EngineSlot) -> int:
@@ -474,10 +529,14 @@ class RolloutWorker:
     # -- playing ------------------------------------------------------------------------------
 
     async def _play(self, job: RolloutJob) -> Trajectory:
-        """The episode's trajectory; failures that outlast their retries come back as ``error``."""
+        """The episode's trajectory; failures that outlast their retries come back as ``error``.
+
+        Each attempt leases the least busy env server of the family and plays the whole episode
+        there; a rerun leases again, so it may go to another server.
+        """
         family = job.env.split("/", 1)[0]
-        envs = self._envs.get(family)
-        if envs is None:
+        pool = self._envs.get(family)
+        if pool is None:
             known = ", ".join(sorted(self._envs)) or "none"
             return self._failed(job, f"no env server for family {family!r} (this worker has: {known})")
         settings = self.settings
@@ -485,10 +544,11 @@ class RolloutWorker:
         backoff = Backoff(settings.engine_backoff_s, settings.engine_max_backoff_s)
         while True:
             try:
-                instruction = await self._instruction(envs, job.env)
-                if instruction is None:
-                    return self._failed(job, f"env {job.env!r} is not served by {envs.base_url}")
-                return await self._episode(job, envs, instruction)
+                with pool.lease() as server:
+                    instruction = await self._instruction(server.client, job.env)
+                    if instruction is None:
+                        return self._failed(job, f"env {job.env!r} is not served by {server.url}")
+                    return await self._episode(job, server.client, instruction)
             except (EpisodeEnvError, EnvClientError) as exc:
                 env_failures += 1
                 if env_failures > settings.env_retries:
@@ -504,26 +564,37 @@ class RolloutWorker:
                 await asyncio.sleep(backoff.next_delay())
 
     async def _episode(self, job: RolloutJob, envs: EnvClient, instruction: str) -> Trajectory:
-        slot = self._pick_engine()
-        async with slot.gate.episode():
-            assert slot.version is not None
-            runner = self._run_episode or run_episode
-            return await runner(
-                job,
-                envs,
-                slot.client,
-                self.tokenizer,
-                instruction,
-                slot.version,
-                max_model_len=slot.max_model_len,
-                worker_id=self.consumer,
-            )
+        slot = await self._pick_engine()
+        try:
+            async with slot.gate.episode():
+                assert slot.version is not None
+                runner = self._run_episode or run_episode
+                return await runner(
+                    job,
+                    envs,
+                    slot.client,
+                    self.tokenizer,
+                    instruction,
+                    slot.version,
+                    max_model_len=slot.max_model_len,
+                    worker_id=self.consumer,
+                )
+        finally:
+            slot.leases -= 1
 
-    def _pick_engine(self) -> EngineSlot:
-        """The least busy engine that is not being reloaded (any, if all are)."""
-        ready = [slot for slot in self._slots if not slot.gate.reloading] or self._slots
-        least = min(slot.gate.active for slot in ready)
-        return random.choice([slot for slot in ready if slot.gate.active == least])
+    async def _pick_engine(self) -> EngineSlot:
+        """The ready engine with the fewest episodes, preferring one not being reloaded; its lease
+        is taken (the caller gives it back). Waits while no engine is ready (all new or gone)."""
+        async with self._slots_changed:
+            await self._slots_changed.wait_for(lambda: bool(self._ready_slots()))
+        ready = self._ready_slots()
+        candidates = [slot for slot in ready if not slot.gate.reloading] or ready
+        slot = pick_least_busy(candidates, lambda slot: slot.leases, next(self._engine_turn))
+        slot.leases += 1
+        return slot
+
+    def _ready_slots(self) -> list[EngineSlot]:
+        return [slot for slot in self._slots if slot.ready and not slot.retired]
 
     async def _instruction(self, envs: EnvClient, env_id: str) -> str | None:
         if env_id not in self._instructions:
@@ -532,8 +603,8 @@ class RolloutWorker:
         return self._instructions.get(env_id)
 
     def _failed(self, job: RolloutJob, error: str) -> Trajectory:
-        versions = [slot.version for slot in self._slots if slot.version is not None]
-        version = min(versions) if versions else job.policy_version
+        version = self._served_version()
+        version = job.policy_version if version is None else version
         return Trajectory.from_job(job, error=error, worker_id=self.consumer, policy_version=version)
 
     # -- keeping jobs ours --------------------------------------------------------------------
@@ -565,8 +636,8 @@ class RolloutWorker:
         return WorkerHeartbeat(
             worker_id=self.consumer,
             url=settings.advertised_url,
-            envs={family: client.base_url for family, client in self._envs.items()},
-            engines=[slot.url for slot in self._slots],
+            envs={family: [server.url for server in pool.active] for family, pool in self._envs.items()},
+            engines=[slot.url for slot in self._slots if not slot.retired],
             heartbeat_s=settings.heartbeat_s,
             status=self.status(),
             updated_at=time.time(),
@@ -640,8 +711,11 @@ class RolloutWorker:
             if target is None:
                 continue
             failed = False
-            for slot in self._slots:
-                if slot.version != target.version and not await self._reload(slot, target):
+            # Engines not yet ready are brought to the target by their admission (_admit).
+            for slot in list(self._slots):
+                if not slot.ready or slot.retired or slot.version == target.version:
+                    continue
+                if not await self._reload(slot, target):
                     failed = True
             if failed and not self._policy_changed.is_set():
                 await self._sleep(self.settings.reload_retry_s)
@@ -651,6 +725,8 @@ class RolloutWorker:
         """Load ``pointer`` into one engine once no episode runs on it; False if that failed."""
         client = slot.client
         async with slot.gate.exclusive():
+            if slot not in self._slots:  # gone from DNS and closed while this waited for the gate
+                return True
             started = time.monotonic()
             try:
                 # pause(wait) → reload_weights → update_weight_version → resume, resumed on failure.
@@ -673,9 +749,107 @@ class RolloutWorker:
         return True
 
     def _update_version_gauge(self) -> None:
-        versions = [slot.version for slot in self._slots if slot.version is not None]
-        if versions:
-            self._metrics.policy_version.set(min(versions))
+        version = self._served_version()
+        if version is not None:
+            self._metrics.policy_version.set(version)
+
+    def _served_version(self) -> int | None:
+        """The oldest version a ready engine serves (what a new episode may be sampled under)."""
+        versions = [slot.version for slot in self._ready_slots() if slot.version is not None]
+        return min(versions) if versions else None
+
+    # -- replicas -----------------------------------------------------------------------------
+
+    async def _discover(self) -> None:
+        """Resolve the env servers' and engines' names every ``resolve_interval_s``."""
+        while True:
+            await asyncio.sleep(self.settings.resolve_interval_s)
+            try:
+                await self._resolve()
+            except Exception:  # a failed lookup is handled in Discovery; this is anything else
+                logger.exception("unexpected error updating the env servers and engines")
+
+    async def _resolve(self) -> None:
+        """Resolve every configured name once and use what it finds (module docstring, "replicas")."""
+        families = list(self._env_discovery)
+        engines, *envs = await asyncio.gather(
+            self._engine_discovery.refresh(), *(self._env_discovery[family].refresh() for family in families)
+        )
+        for family, urls in zip(families, envs, strict=True):
+            await self._envs[family].update(urls)
+        await self._update_engines(engines)
+
+    async def _update_engines(self, endpoints: list[Endpoint]) -> None:
+        """Add an engine slot per new target (admitted in the background), retire those not
+        named, take back retired ones named again, and close retired ones no episode holds."""
+        wanted = {endpoint.target: endpoint for endpoint in endpoints}
+        for slot in self._slots:
+            endpoint = wanted.get(slot.target)
+            if endpoint is not None:
+                slot.url = endpoint.url  # a name that gained or lost addresses: same server
+            if (endpoint is None) != slot.retired:
+                slot.retired = endpoint is None
+                if slot.retired:
+                    logger.info("engine %s: gone; %d episodes on it finish there", slot.url, slot.leases)
+                else:
+                    logger.info("engine %s: back", slot.url)
+        known = {slot.target for slot in self._slots}
+        for target, endpoint in wanted.items():
+            if target not in known:
+                # One client per server: each has its own version and reload gate.
+                slot = EngineSlot(url=endpoint.url, target=target, client=self._engine_client(target))
+                await slot.client.open()
+                self._slots.append(slot)
+                slot.admission = asyncio.create_task(self._admit(slot), name=f"admit {endpoint.url}")
+        for slot in [slot for slot in self._slots if slot.retired]:
+            if slot.leases == 0 and not slot.gate.reloading:
+                self._slots.remove(slot)
+                if slot.admission is not None:
+                    slot.admission.cancel()
+                with contextlib.suppress(Exception):
+                    await slot.client.aclose()
+        self._update_version_gauge()
+        async with self._slots_changed:  # an engine taken back may be waited for
+            self._slots_changed.notify_all()
+
+    def _engine_client(self, url: str) -> EngineClient:
+        settings = self.settings
+        return EngineClient(
+            [url],
+            token=settings.engine_api_token.get_secret_value() if settings.engine_api_token else None,
+            backoff_s=settings.engine_backoff_s,
+            max_backoff_s=settings.engine_max_backoff_s,
+            busy_timeout_s=settings.engine_busy_timeout_s,
+            on_busy=self._engine_busy,
+        )
+
+    async def _admit(self, slot: EngineSlot) -> None:
+        """Make a new engine ready: read its context length and version (retrying while it does
+        not answer), load the policy the worker serves if it has another, then let episodes in.
+
+        An engine that joins later than the worker (a replica scaled up mid-run) starts on its
+        base weights; episodes sent to it before the reload would be sampled under a policy the
+        trainer has long moved past. The engines of a starting worker are admitted before it
+        learns the policy, and reloaded like any ready engine once it does.
+        """
+        backoff = Backoff(self.settings.engine_backoff_s, self.settings.engine_max_backoff_s)
+        while not self.stopping and slot.version is None:
+            try:
+                slot.max_model_len = await asyncio.wait_for(slot.client.max_model_len(), ADMIN_TIMEOUT_S)
+                slot.version = await asyncio.wait_for(self._engine_version(slot), ADMIN_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("engine %s: not ready yet: %s: %s", slot.url, type(exc).__name__, exc)
+                await self._sleep(backoff.next_delay())
+        while not self.stopping and (target := self._target) is not None and slot.version != target.version:
+            if not await self._reload(slot, target):
+                await self._sleep(self.settings.reload_retry_s)
+        if self.stopping:
+            return
+        slot.ready = True
+        logger.info("engine %s: ready, serving v%s", slot.url, slot.version)
+        self._update_version_gauge()
+        async with self._slots_changed:
+            self._slots_changed.notify_all()
 
     # -- status -------------------------------------------------------------------------------
 
@@ -698,25 +872,37 @@ class RolloutWorker:
         while self._completions and self._completions[0][0] < now - window:
             self._completions.popleft()
         span = max(min(window, now - self._started), 1e-3)
-        versions = [slot.version for slot in self._slots if slot.version is not None]
         return WorkerStatus(
             worker_id=self.consumer,
             concurrency=self.settings.concurrency,
             in_flight=len(self._in_flight),
             episodes_per_s=len(self._completions) / span,
             tokens_per_s=sum(tokens for _, tokens in self._completions) / span,
-            policy_version=min(versions) if versions else None,
+            policy_version=self._served_version(),
             target_policy_version=self._target.version if self._target else None,
-            engines=[
-                EngineStatus(
-                    url=slot.url,
-                    policy_version=slot.version,
-                    in_flight=slot.gate.active,
-                    reloading=slot.gate.reloading,
-                )
-                for slot in self._slots
-            ],
+            engines=self.engine_statuses(),
+            env_servers=self.env_server_statuses(),
             stopping=self.stopping,
             uptime_s=now - self._started,
             **self._counts,
         )
+
+    def engine_statuses(self) -> list[EngineStatus]:
+        return [
+            EngineStatus(
+                url=slot.url,
+                policy_version=slot.version,
+                in_flight=slot.gate.active,
+                reloading=slot.gate.reloading,
+                ready=slot.ready,
+                retired=slot.retired,
+            )
+            for slot in self._slots
+        ]
+
+    def env_server_statuses(self) -> list[EnvServerStatus]:
+        return [
+            EnvServerStatus(family=family, url=server.url, in_flight=server.in_flight, retired=server.retired)
+            for family, pool in self._envs.items()
+            for server in pool.servers
+        ]

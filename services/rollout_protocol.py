@@ -14,7 +14,7 @@ import uuid
 from typing import Any, Literal, Self
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.env_protocol import Seed, WireModel
 
@@ -231,6 +231,25 @@ class EngineStatus(BaseModel):
     policy_version: int | None = Field(description="Version of the weights it serves; None until known.")
     in_flight: int = Field(description="Episodes running on it.")
     reloading: bool
+    ready: bool = Field(
+        default=True,
+        description="Takes episodes: its version is known and, if it joined after the worker learned "
+        "the policy, that policy is loaded.",
+    )
+    retired: bool = Field(
+        default=False, description="Gone from DNS: its episodes finish, no new ones are sent to it."
+    )
+
+
+class EnvServerStatus(BaseModel):
+    """One env server as a rollout worker sees it (part of :class:`WorkerStatus`)."""
+
+    family: str
+    url: str
+    in_flight: int = Field(description="Episodes playing on it (an episode stays on one server).")
+    retired: bool = Field(
+        default=False, description="Gone from DNS: its episodes finish, no new ones are sent to it."
+    )
 
 
 class WorkerStatus(BaseModel):
@@ -256,6 +275,9 @@ class WorkerStatus(BaseModel):
     reloads: int
     redis_errors: int
     engines: list[EngineStatus]
+    env_servers: list[EnvServerStatus] = Field(
+        default_factory=list, description="Every env server of every family, with its episodes."
+    )
     stopping: bool
     uptime_s: float
 
@@ -263,18 +285,29 @@ class WorkerStatus(BaseModel):
 class WorkerHeartbeat(RolloutWireModel):
     """One field of :data:`WORKERS_KEY`: who a worker is, where it and its services are, how it is.
 
-    ``envs`` and ``engines`` are the URLs the worker was configured with, which is how the
+    ``envs`` and ``engines`` are the servers the worker plays against now (a configured name
+    that resolves to several replicas is listed as one URL per address), which is how the
     dashboard discovers the env servers and engines; ``status`` is the worker's last
     :class:`WorkerStatus`, shown when the worker itself no longer answers.
     """
 
     worker_id: str = Field(min_length=1, description="The worker's consumer name in the 'rollout' group.")
     url: str | None = Field(description="The worker's own HTTP base URL (its /status); None if unknown.")
-    envs: dict[str, str] = Field(description="Env server URL of each env family the worker plays.")
+    envs: dict[str, list[str]] = Field(
+        description="Env server URLs of each env family the worker plays (episodes are spread over them)."
+    )
     engines: list[str] = Field(description="Engine base URLs the worker spreads episodes over.")
     heartbeat_s: float = Field(gt=0, description="How often the worker rewrites this field.")
     status: WorkerStatus
     updated_at: float = Field(description="Unix time this field was written.")
+
+    @field_validator("envs", mode="before")
+    @classmethod
+    def _one_url_is_a_list_of_one(cls, value: Any) -> Any:
+        """An entry written by a worker from before several servers per family (``{family: URL}``)."""
+        if isinstance(value, dict):
+            return {family: [urls] if isinstance(urls, str) else urls for family, urls in value.items()}
+        return value
 
     @staticmethod
     def updated_at_of(raw: bytes | str) -> float:

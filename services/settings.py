@@ -6,10 +6,22 @@ Command-line flags override the environment by passing keyword arguments.
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ONE_MIB = 1024 * 1024
+
+
+def _empty_is_unset(value: Any) -> Any:
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+OptionalToken = Annotated[SecretStr | None, BeforeValidator(_empty_is_unset)]
+"""A bearer token setting where an empty value means "no token": a compose file or a manifest passes
+``STARGYM_API_TOKEN=${STARGYM_API_TOKEN:-}`` through whether or not the user set it, and an empty
+token would otherwise lock every caller out."""
 
 
 class ServiceSettings(BaseSettings):
@@ -19,7 +31,7 @@ class ServiceSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_token: SecretStr | None = Field(
+    api_token: OptionalToken = Field(
         default=None,
         description="When set, every route but /health and /login needs it: an 'Authorization: Bearer' "
         "header, or the cookie a browser gets by signing in (services/http_app.py, TokenAuth).",

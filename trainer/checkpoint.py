@@ -170,7 +170,9 @@ class CheckpointStore:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if keep_policies is not None and keep_policies < 1:
             raise ValueError(f"keep_policies must be >= 1 or None, got {keep_policies}")
-        self.run_dir = Path(run_dir)
+        # Absolute: published policy paths go to Redis for engines that may run elsewhere (another
+        # container mounting the same volume), where a path relative to our working dir means nothing.
+        self.run_dir = Path(run_dir).absolute()
         self.keep_last = keep_last
         self.keep_policies = keep_policies
         self.before_commit: Callable[[Path], None] | None = None

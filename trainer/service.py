@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
+from redis.asyncio import Redis
 
 from services.http_app import create_app
 from services.queue import connect, set_policy
@@ -310,7 +311,7 @@ class Trainer:
             await asyncio.to_thread(self._load)
             config = self.config
             redis = connect(self.redis_url)
-            await self._publish(self.step)
+            await self._publish(self.step, redis)
             self.controller = Controller(config, redis, run_dir=self.run_dir, recorder=self.recorder)
             await self.controller.start(
                 self.controller_state, step=self.step, policy_version=self.policy_version
@@ -397,7 +398,7 @@ class Trainer:
         previous_step = self.step
         self.step += 1
         publish_started = time.monotonic()
-        await self._publish(self.step)
+        await self._publish(self.step, self.controller.redis)
         publish_s = time.monotonic() - publish_started
         self.controller.set_progress(self.step, self.policy_version)
         now = time.monotonic()
@@ -542,14 +543,15 @@ class Trainer:
         self.leader.command("publish")
         return self.store.publish_policy(version, self.updater.gathered_policy(), self.tokenizer)
 
-    async def _publish(self, version: int) -> None:
-        """Write ``policy-v<version>`` and point the workers at it."""
+    async def _publish(self, version: int, redis: Redis) -> None:
+        """Write ``policy-v<version>`` and point the workers at it, on the run's Redis client.
+
+        Not a client of its own per publish: each would open a connection and look the Redis host
+        up again, and under podman-compose a name lookup fails for seconds whenever a container
+        joins the network (seen here: the trainer died on its first publish after a start).
+        """
         path = await asyncio.to_thread(self._save_policy, version)
-        redis = connect(self.redis_url)
-        try:
-            await set_policy(redis, version, str(path))
-        finally:
-            await redis.aclose()
+        await set_policy(redis, version, str(path))
         self.policy_version = version
 
     async def _checkpoint(self) -> None:

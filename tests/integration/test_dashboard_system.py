@@ -82,7 +82,7 @@ async def test_a_worker_registers_is_found_with_its_services_and_unregisters_on_
     try:
         entry = wait_until(lambda: registry(db).get("w1"), "the worker's heartbeat", logs=[worker])
         assert entry.url == worker.url == f"http://127.0.0.1:{port}"
-        assert entry.envs == {"game": game_server.url} and entry.engines == [engine.url]
+        assert entry.envs == {"game": [game_server.url]} and entry.engines == [engine.url]
         assert entry.heartbeat_s == 0.5 and abs(entry.updated_at - time.time()) < 30
         first_beat = entry.updated_at
         wait_until(lambda: registry(db)["w1"].updated_at > first_beat, "a second heartbeat", logs=[worker])

@@ -407,7 +407,7 @@ def test_settings_read_flags_and_prefixed_variables(monkeypatch: pytest.MonkeyPa
     settings = WorkerSettings()
     assert settings.redis_url == "redis://10.0.0.1:6379/2"
     assert settings.engine_urls == ["http://a:8210", "http://b:8210"]
-    assert settings.env_urls == {"game": "http://g:8101", "search": "http://s:8103"}
+    assert settings.env_urls == {"game": ["http://g:8101"], "search": ["http://s:8103"]}
     assert (settings.concurrency, settings.tokenizer, settings.port) == (64, None, 8200)
     assert settings.log_level == "info"
     monkeypatch.setenv("STARGYM_PORT", "9000")
@@ -417,7 +417,7 @@ def test_settings_read_flags_and_prefixed_variables(monkeypatch: pytest.MonkeyPa
     assert (WorkerSettings().port, WorkerSettings().concurrency) == (9001, 16)
     assert WorkerSettings(port=1, concurrency=2).port == 1
     assert settings.touch_every_s == settings.visibility_timeout_s / 3
-    assert WorkerSettings(concurrency=5, env_urls=["web=http://w"]).env_urls == {"web": "http://w"}
+    assert WorkerSettings(concurrency=5, env_urls=["web=http://w"]).env_urls == {"web": ["http://w"]}
     for bad in ("game", "game/frozenlake=http://g", "game=http://a,game=http://b"):
         with pytest.raises(ValueError):
             parse_family_urls(bad)

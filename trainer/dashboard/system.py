@@ -412,7 +412,10 @@ def _env_targets(configured: dict[str, str], heartbeats: Iterable[WorkerHeartbea
     """Every (family, URL) configured or advertised by a live worker, each once."""
     targets = set(configured.items())
     targets |= {
-        (family, url.rstrip("/")) for heartbeat in heartbeats for family, url in heartbeat.envs.items()
+        (family, url.rstrip("/"))
+        for heartbeat in heartbeats
+        for family, urls in heartbeat.envs.items()
+        for url in urls
     }
     return sorted(targets)
 

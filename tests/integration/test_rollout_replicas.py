@@ -1,0 +1,317 @@
+"""A rollout worker spreads episodes over several env servers of a family and several engines, and
+follows DNS as replicas come and go: real game env servers, real CPU engines, a real Redis.
+
+The first test runs ``stargym rollout`` with two env servers given as ``game=URL,URL``. The
+others run the worker in this process with an injected resolver, so that a made-up name can stand
+for several loopback addresses (Linux routes all of 127/8 to ``lo``; servers bind 127.0.0.1 and
+127.0.0.2 on the same port, as replicas behind a headless Service would). The worker connects to
+the addresses it resolved, so nothing else ever looks the name up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import redis
+from conftest import (
+    REPO_ROOT,
+    STARGYM,
+    RunningServer,
+    eventually,
+    free_port,
+    stop_server,
+    wait_healthy,
+    wait_until,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from test_worker import make_jobs, publish, trajectories
+from transformers import AutoTokenizer
+
+from deploy.model_init import init_tiny_model
+from rollout_server.settings import WorkerSettings
+from rollout_server.worker import RolloutWorker
+from services.queue import connect, set_policy
+from services.rollout_protocol import TRAJECTORIES_STREAM, WORKERS_KEY, WorkerHeartbeat
+
+DEADLINE_S = 60.0
+
+
+class TableResolver:
+    """``host → addresses`` from a dict the test edits while the worker runs."""
+
+    def __init__(self, table: dict[str, list[str]]) -> None:
+        self.table = table
+
+    async def __call__(self, host: str) -> list[str]:
+        if host not in self.table:
+            raise OSError(f"unknown host {host}")
+        return list(self.table[host])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny policy and a second checkpoint of it (other seed, same tokenizer)."""
+    root = tmp_path_factory.mktemp("replica-models")
+    return (
+        init_tiny_model(root / "policy-v0", 0, ["game"], 20, 20),
+        init_tiny_model(root / "policy-v1", 1, ["game"], 20, 20),
+    )
+
+
+def launch(host: str, port: int, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
+    """Start ``stargym ARGS --host HOST --port PORT`` (``start_server`` listens on 127.0.0.1 only)."""
+    name = f"{args[0]}-{host}-{port}"
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*STARGYM, *args, "--host", host, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env={**os.environ, **(env or {})},
+        )
+    return RunningServer(name, f"http://{host}:{port}", process, log_path)
+
+
+def healthy(*started: RunningServer) -> None:
+    """Wait for each server's /health; stop them all if one does not come up."""
+    try:
+        for server in started:
+            try:
+                wait_healthy(server.url, server.process)
+            except (RuntimeError, TimeoutError) as exc:
+                raise AssertionError(f"{server.name} did not start: {exc}\n{server.log()}") from None
+    except AssertionError:
+        for server in started:
+            stop_server(server.process)
+        raise
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A CPU engine on the first checkpoint, never reloaded (the engine test starts its own)."""
+    server = launch("127.0.0.1", free_port(), engine_args(models[0]), tmp_path_factory.mktemp("engine"))
+    healthy(server)
+    yield server
+    stop_server(server.process)
+
+
+@pytest.fixture(scope="module")
+def env_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, RunningServer]]:
+    """Two game env servers on one port, at 127.0.0.1 and 127.0.0.2: two replicas of one Service."""
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("env-replicas")
+    pair = (
+        launch("127.0.0.1", port, ["env", "serve", "game"], log_dir),
+        launch("127.0.0.2", port, ["env", "serve", "game"], log_dir),
+    )
+    healthy(*pair)
+    yield pair
+    for server in pair:
+        stop_server(server.process)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
+    """``serve(host, port, *args, env=..., wait=True)``: :func:`launch`, and wait for it unless told
+    not to (then call :func:`healthy`); every server is stopped at the end of the test."""
+    started: list[RunningServer] = []
+
+    def serve(
+        host: str, port: int, *args: str, env: dict[str, str] | None = None, wait: bool = True
+    ) -> RunningServer:
+        started.append(launch(host, port, list(args), tmp_path, env))
+        if wait:
+            healthy(started[-1])
+        return started[-1]
+
+    yield serve
+    for server in started:
+        stop_server(server.process)
+
+
+@pytest.fixture
+def db(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+def engine_args(model: Path) -> list[str]:
+    return ["engine", "serve", "--model", str(model), "--threads", "1"]
+
+
+def requests_served(server: RunningServer, method: str, route: str) -> int:
+    """Successful ``METHOD ROUTE`` requests the server has answered, from its own /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "http_requests_total"
+            and sample.labels.get("method") == method
+            and sample.labels.get("route") == route
+            and sample.labels.get("status", "").startswith("2")
+        )
+    )
+
+
+def episodes_served(env_server: RunningServer) -> int:
+    return requests_served(env_server, "POST", "/instances")
+
+
+async def trajectory_count(db: redis.Redis, count: int) -> bool:
+    return db.xlen(TRAJECTORIES_STREAM) >= count
+
+
+def in_process_worker(settings: WorkerSettings, model: Path, resolver: TableResolver) -> RolloutWorker:
+    return RolloutWorker(settings, AutoTokenizer.from_pretrained(model), resolver=resolver)
+
+
+def test_a_family_with_two_env_servers_spreads_its_episodes_over_both(
+    db: redis.Redis, servers, models: tuple[Path, Path], redis_url: str, engine, env_replicas
+) -> None:
+    first, second = env_replicas
+    baseline = [episodes_served(first), episodes_served(second)]
+    worker = servers(
+        "127.0.0.1",
+        free_port(),
+        "rollout",
+        "--engine-url",
+        engine.url,
+        "--env",
+        f"game={first.url},{second.url}",
+        "--tokenizer",
+        str(models[0]),
+        "--concurrency",
+        "8",
+        env={"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_HEARTBEAT_S": "0.5"},
+    )
+    jobs = make_jobs(16, max_turns=4)
+    publish(db, jobs)
+    wait_until(
+        lambda: db.xlen(TRAJECTORIES_STREAM) >= len(jobs), "16 trajectories", DEADLINE_S, logs=[worker]
+    )
+    found = trajectories(db)
+    assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)
+    assert all(t.error is None for t in found), [t.error for t in found]
+
+    served = [episodes_served(first) - baseline[0], episodes_served(second) - baseline[1]]
+    assert sum(served) == len(jobs) and min(served) >= len(jobs) // 4, served  # roughly balanced
+    status = httpx.get(f"{worker.url}/status", timeout=10).json()
+    assert [(s["family"], s["url"], s["in_flight"]) for s in status["env_servers"]] == [
+        ("game", first.url, 0),
+        ("game", second.url, 0),
+    ]
+    heartbeat = WorkerHeartbeat.model_validate_json(db.hget(WORKERS_KEY, status["worker_id"]))
+    assert heartbeat.envs == {"game": [first.url, second.url]}
+    metrics = httpx.get(f"{worker.url}/metrics", timeout=10).text
+    for server in (first, second):
+        assert f'rollout_env_server_episodes_in_flight{{family="game",url="{server.url}"}} 0.0' in metrics
+
+
+async def test_a_name_with_two_addresses_is_two_env_servers_until_dns_drops_one(
+    db: redis.Redis, models: tuple[Path, Path], redis_url: str, engine, env_replicas
+) -> None:
+    first, second = env_replicas
+    port = urlsplit(first.url).port
+    resolver = TableResolver({"env-game.test": ["127.0.0.1", "127.0.0.2"]})
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        engine_urls=[engine.url],
+        env_urls={"game": [f"http://env-game.test:{port}"]},
+        concurrency=4,
+        resolve_interval_s=0.1,
+    )
+    worker = in_process_worker(settings, models[0], resolver)
+    running = asyncio.create_task(worker.run())
+    try:
+
+        async def env_servers() -> list[tuple[str, bool]]:
+            return [(server.url, server.retired) for server in worker.status().env_servers]
+
+        assert await eventually(env_servers, "the env servers") == [(first.url, False), (second.url, False)]
+        baseline = [episodes_served(first), episodes_served(second)]
+        publish(db, make_jobs(8, max_turns=4))
+        await eventually(lambda: trajectory_count(db, 8), "8 trajectories", DEADLINE_S)
+        before = [episodes_served(first), episodes_served(second)]
+        served = [before[0] - baseline[0], before[1] - baseline[1]]
+        assert sum(served) == 8 and min(served) >= 2, served
+
+        resolver.table["env-game.test"] = ["127.0.0.1"]  # one replica gone: shown by name again
+        named = [(f"http://env-game.test:{port}", False)]
+        await eventually(lambda: _equals(env_servers(), named), "the dropped address to be closed")
+        publish(db, make_jobs(8, max_turns=4, start=8))
+        await eventually(lambda: trajectory_count(db, 16), "16 trajectories", DEADLINE_S)
+        assert all(t.error is None for t in trajectories(db))
+        assert episodes_served(second) == before[1]  # nothing new on the vanished replica
+        assert episodes_served(first) == before[0] + 8
+    finally:
+        await worker.shutdown()
+        await running
+
+
+async def test_an_engine_replica_that_joins_loads_the_policy_before_it_takes_episodes(
+    db: redis.Redis, servers, models: tuple[Path, Path], redis_url: str, game_server: RunningServer
+) -> None:
+    port = free_port()
+    # Two replicas on their base weights; the worker learns of the second only later.
+    first = servers("127.0.0.1", port, *engine_args(models[0]), wait=False)
+    second = servers("127.0.0.2", port, *engine_args(models[0]), wait=False)
+    healthy(first, second)
+    resolver = TableResolver({"engine.test": ["127.0.0.1"]})
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        engine_urls=[f"http://engine.test:{port}"],
+        env_urls={"game": [game_server.url]},
+        concurrency=4,
+        resolve_interval_s=0.1,
+        policy_poll_s=0.2,
+    )
+    worker = in_process_worker(settings, models[0], resolver)
+    running = asyncio.create_task(worker.run())
+    try:
+        client = connect(redis_url)
+        try:
+            await set_policy(client, 1, str(models[1]))
+        finally:
+            await client.aclose()
+
+        async def served_version() -> int | None:
+            return worker.status().policy_version
+
+        await eventually(lambda: _equals(served_version(), 1), "the engine to serve v1", DEADLINE_S)
+        # A replica scaled up mid-run runs its base weights (version 'default', read as 0), and
+        # episodes are running when it appears: it must not take one before it serves v1.
+        assert httpx.get(f"{second.url}/weight_info").json() == {"weight_version": "default"}
+        publish(db, make_jobs(16, max_turns=6))
+        resolver.table["engine.test"] = ["127.0.0.1", "127.0.0.2"]
+
+        async def engines() -> set[tuple[str, int | None, bool]]:
+            return {(e.url, e.policy_version, e.ready) for e in worker.status().engines if not e.retired}
+
+        both = {(first.url, 1, True), (second.url, 1, True)}
+        await eventually(lambda: _equals(engines(), both), "the new replica to be admitted", DEADLINE_S)
+        await eventually(lambda: trajectory_count(db, 16), "16 trajectories", DEADLINE_S)
+        found = trajectories(db)
+        assert all(t.error is None for t in found), [t.error for t in found]
+        assert {t.policy_version for t in found} == {1}
+        assert httpx.get(f"{second.url}/weight_info").json() == {"weight_version": "1"}
+        assert requests_served(second, "POST", "/v1/completions") > 0
+        assert worker.status().reloads == 2  # the first engine once, the replica once
+    finally:
+        await worker.shutdown()
+        await running
+
+
+async def _equals(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
