@@ -91,6 +91,12 @@ def train_command(
     nproc_per_node: Annotated[
         int, typer.Option(min=1, help="Trainer processes (torchrun); each updates on a share of every batch.")
     ] = 1,
+    keep_serving: Annotated[
+        bool,
+        typer.Option(
+            help="When the run is done, keep serving the dashboard and /status until stopped (containers)."
+        ),
+    ] = False,
 ) -> None:
     """Train a policy: issue rollout jobs, update on trajectories, publish policies, checkpoint."""
     config = load_train_config(config_path, set_)
@@ -139,7 +145,7 @@ def train_command(
     trainer = Trainer(
         config, redis_url=settings.redis_url, max_minutes=max_minutes, device=str(chosen), ranks=ranks
     )
-    code = serve(trainer, settings)
+    code = serve(trainer, settings, keep_serving=keep_serving)
     if code:
         raise typer.Exit(code)
 

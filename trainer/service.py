@@ -656,14 +656,21 @@ def install_trainer_dashboard(app: FastAPI, trainer: Trainer, settings: TrainerS
     return probe
 
 
-def serve(trainer: Trainer, settings: TrainerSettings) -> int:
-    """Run the trainer with its HTTP API until the run ends or SIGTERM/SIGINT; returns an exit code."""
+def serve(trainer: Trainer, settings: TrainerSettings, *, keep_serving: bool = False) -> int:
+    """Run the trainer with its HTTP API until the run ends or SIGTERM/SIGINT; returns an exit code.
+
+    ``keep_serving``: a run that ends ``done`` or ``stopped`` leaves the API and dashboard up until
+    SIGTERM/SIGINT. In a container the trainer is the dashboard's only server, and an orchestrator
+    restarts a process that exits (Kubernetes always does): without it a finished run would take
+    its dashboard with it, or be restarted to evaluate again. A failed run still exits (code 1), so
+    the restart policy resumes it from its newest checkpoint.
+    """
     import uvicorn
 
     server: uvicorn.Server | None = None
 
     def finished() -> None:
-        if server is not None:
+        if server is not None and not (keep_serving and trainer.state != "failed"):
             server.should_exit = True
 
     config = uvicorn.Config(

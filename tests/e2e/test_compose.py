@@ -51,6 +51,9 @@ PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")
 BUILD_DEADLINE_S = 30 * 60  # a cold build fetches ~1 GB of wheels; a cached one takes seconds
 START_DEADLINE_S = 5 * 60
 UPDATES = 3
+# A dependency that is not up yet can make a service exit once or twice before its restart policy
+# brings it back (podman ignores `condition: service_healthy`); more is a crash loop.
+MAX_RESTARTS = 3
 
 
 def _missing() -> str | None:
@@ -107,13 +110,14 @@ class ComposeProject:
             )
 
     def _running(self, service: str) -> bool:
-        state = subprocess.run(
-            ["podman", "inspect", "--format", "{{.State.Status}}", self.container(service)],
+        """Running now; a container that exited, or keeps failing and being restarted, fails the wait."""
+        state, restarts = subprocess.run(
+            ["podman", "inspect", "--format", "{{.State.Status}} {{.RestartCount}}", self.container(service)],
             capture_output=True,
             text=True,
-        ).stdout.strip()
-        if state == "exited":
-            raise AssertionError(f"{service} exited:\n{self.logs(service)}")
+        ).stdout.split() or ["missing", "0"]
+        if state == "exited" or int(restarts) >= MAX_RESTARTS:
+            raise AssertionError(f"{service} {state} after {restarts} restarts:\n{self.logs(service)}")
         return state == "running"
 
     def logs(self, service: str) -> str:

@@ -3,19 +3,23 @@
 The whole system runs as processes (``deploy.up.bring_up``). Every 2 updates the trainer issues
 an eval round on the held-out seeds through the job stream; its results land in the metrics at
 the step whose policy played them and in ``<run_dir>/eval.jsonl``, and no eval episode is ever
-in a training batch.
+in a training batch. The trainer runs with ``--keep-serving`` (as in the containers): once done it
+keeps answering ``/status`` and the dashboard until SIGTERM, and then exits 0.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import REPO_ROOT, free_port, short_run_overrides, wait_exit
+from conftest import REPO_ROOT, free_port, short_run_overrides, wait_until
 
 from deploy.up import bring_up
 from trainer.controller import read_controller_log
+from trainer.dashboard.runs import read_run_status
 from trainer.evaluation import eval_group_prefix
 from trainer.metrics import read_metrics
 
@@ -36,8 +40,27 @@ def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, empty_re
         f"eval.episodes={EPISODES}",
         "eval.temperature=0",
     ]
-    with bring_up(REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=redis_url) as stack:
-        wait_exit(stack.trainer, "the trainer to finish 5 updates and its evaluations")
+    with bring_up(
+        REPO_ROOT / "configs/bandit-tiny.yaml",
+        overrides,
+        redis_url=redis_url,
+        trainer_args=["--keep-serving"],
+    ) as stack:
+        status = wait_until(
+            lambda: (s := stack.trainer_status()) and s["state"] in ("done", "failed") and s,
+            "the trainer to finish 5 updates and its evaluations",
+            deadline_s=8 * 60,
+            interval_s=1.0,
+            logs=[stack.trainer],
+        )
+        assert status["state"] == "done" and status["step"] == 5, status
+        assert stack.trainer.process.poll() is None, "a done run with --keep-serving must keep serving"
+        runs = httpx.get(f"{stack.trainer.url}/api/runs", timeout=10).json()["runs"]
+        assert [run["name"] for run in runs] == [run_dir.name]  # the dashboard names runs by directory
+        stack.trainer.process.terminate()
+        # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught (exit -15 / 143).
+        assert stack.trainer.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert read_run_status(run_dir).state == "done"
 
     rounds = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     # Every 2 updates, then the final policy (step 5) at the end of the run.

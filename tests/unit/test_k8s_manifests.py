@@ -28,18 +28,19 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
-import typer
 import yaml
-from pydantic import AliasChoices, SecretStr
-from pydantic_settings import BaseSettings
+from cli_checks import (
+    SUBCOMMAND_SETTINGS,
+    env_names,
+    is_setting,
+    load_settings,
+    parse_stargym,
+    served_port,
+    train_config,
+)
 
-from deploy import cli
-from deploy.train import load_train_config
-from rollout_server.engine.settings import EngineSettings
 from rollout_server.settings import WorkerSettings
 from services.contracts import ENGINE_PORT, FAMILY_PORTS, ROLLOUT_PORT, TRAINER_PORT
-from services.settings import EnvServerSettings
-from trainer.config import TrainConfig
 from trainer.service import TrainerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,20 +53,6 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Pod")
 SECRET_VALUE = "token-from-the-secret"
 POD_IP = "10.1.2.3"
 WAIT_FOR = K8S / "base" / "wait_for.py"
-
-# What each stargym command serves on, from the code (services.contracts) ...
-SUBCOMMAND_PORTS = {
-    ("engine", "serve"): ENGINE_PORT,
-    ("rollout",): ROLLOUT_PORT,
-    ("train",): TRAINER_PORT,
-}
-# ... and the settings class that reads its environment.
-SUBCOMMAND_SETTINGS: dict[tuple[str, ...], type[BaseSettings]] = {
-    ("env", "serve"): EnvServerSettings,
-    ("engine", "serve"): EngineSettings,
-    ("rollout",): WorkerSettings,
-    ("train",): TrainerSettings,
-}
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -176,32 +163,6 @@ def argv(container: dict[str, Any], objects: list[dict[str, Any]]) -> list[str]:
     return [expand(arg, values) for arg in container["args"]]
 
 
-def parse_stargym(args: list[str]) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """The subcommand path and the parsed parameters of ``stargym ARGS``, as the CLI parses them.
-
-    Raises the CLI's usage errors for an unknown subcommand or option, a missing argument or a bad value.
-    """
-    command = typer.main.get_command(cli.app)
-    path: list[str] = []
-    rest = list(args)
-    while hasattr(command, "commands"):  # a group (typer vendors its own click)
-        assert rest, f"stargym {' '.join(path)} needs a subcommand"
-        name, rest = rest[0], rest[1:]
-        assert name in command.commands, f"stargym has no subcommand {' '.join([*path, name])!r}"
-        command = command.commands[name]
-        path.append(name)
-    context = command.make_context(" ".join(["stargym", *path]), rest, resilient_parsing=False)
-    return tuple(path), context.params
-
-
-def served_port(path: tuple[str, ...], params: dict[str, Any]) -> int:
-    """The port the code says this subcommand serves on."""
-    if path == ("env", "serve"):
-        (family,) = params["families"]
-        return FAMILY_PORTS[family]
-    return SUBCOMMAND_PORTS[path]
-
-
 def container_port(container: dict[str, Any], port: int | str) -> int:
     """A probe's or Service's port (a name or a number) as a number the container declares."""
     declared = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
@@ -211,23 +172,6 @@ def container_port(container: dict[str, Any], port: int | str) -> int:
 
 
 # -- settings ---------------------------------------------------------------------------------------
-
-
-def env_names(settings: type[BaseSettings]) -> dict[str, str]:
-    """Upper-cased environment variable → the field it sets, as pydantic-settings reads them."""
-    prefix = settings.model_config.get("env_prefix", "")
-    found: dict[str, str] = {}
-    for field, info in settings.model_fields.items():
-        alias = info.validation_alias
-        if alias is None:
-            candidates = [prefix + field]
-        elif isinstance(alias, AliasChoices):
-            candidates = [choice for choice in alias.choices if isinstance(choice, str)]
-        else:
-            candidates = [str(alias)]
-        for name in candidates:
-            found[name.upper()] = field
-    return found
 
 
 def test_env_names_are_what_pydantic_settings_reads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -479,14 +423,6 @@ def test_the_code_and_the_design_agree_on_the_ports() -> None:
         assert words in design
 
 
-def train_config(params: dict[str, Any]) -> TrainConfig:
-    """The trainer's config: one of the repo's (the image copies configs/ to /opt/stargym/configs),
-    with the command's overrides."""
-    path = Path(params["config_path"])
-    assert path.parent == Path("/opt/stargym/configs"), path
-    return load_train_config(REPO_ROOT / "configs" / path.name, params["set_"])
-
-
 def check_train_config(build: str, objects: list[dict[str, Any]], params: dict[str, Any]) -> None:
     """The run's model is where the build's other services look for it."""
     config = train_config(params)
@@ -551,25 +487,13 @@ def test_stargym_variables_are_settings_the_service_reads(
     for name, _, container in stargym_containers(objects):
         path, _ = parse_stargym(argv(container, objects))
         settings_class = SUBCOMMAND_SETTINGS[path]
-        fields = env_names(settings_class)
         values = env_values(container, secret_data(objects))
         used = " ".join([*container["args"], *(v.get("value", "") for v in container["env"])])
         for var in values:
-            if var.startswith("STARGYM_") or var == "REDIS_URL":
-                assert var.upper() in fields, f"{name}: {var} is not a setting of {settings_class.__name__}"
-            else:
+            if not is_setting(var):
                 assert f"$({var})" in used, f"{name}: {var} is set and never used"
-        for var in list(os.environ):
-            if var.startswith("STARGYM_") or var == "REDIS_URL":
-                monkeypatch.delenv(var)
-        for var, value in values.items():
-            monkeypatch.setenv(var, value)
-        settings = settings_class()
-        for var, value in values.items():
-            if var.upper() in fields:
-                got = getattr(settings, fields[var.upper()])
-                got = got.get_secret_value() if isinstance(got, SecretStr) else got
-                assert got == value, f"{name}: {var}={value!r} gave {fields[var.upper()]}={got!r}"
+        with monkeypatch.context() as patch:
+            load_settings(settings_class, values, patch, where=name)
 
 
 def test_the_rollout_workers_advertise_their_pod_and_get_time_to_stop() -> None:
