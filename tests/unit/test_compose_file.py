@@ -629,8 +629,14 @@ def test_hadolint_passes(dockerfile: Path) -> None:
 def test_the_images_build_on_base_image_and_run_as_a_user(dockerfile: Path) -> None:
     found = instructions(dockerfile)
     assert found[0][0] == "ARG" and found[0][1].startswith("BASE_IMAGE="), "ARG BASE_IMAGE=... comes first"
-    stages = [arguments.split()[0] for keyword, arguments in found if keyword == "FROM"]
-    assert stages and all(stage == "${BASE_IMAGE}" for stage in stages), stages
+    # Every stage starts from the base image, directly or through an earlier stage.
+    named: set[str] = set()
+    froms = [arguments.split() for keyword, arguments in found if keyword == "FROM"]
+    for words in froms:
+        assert words[0] == "${BASE_IMAGE}" or words[0] in named, f"FROM {words[0]} is not the base image"
+        if len(words) == 3 and words[1].upper() == "AS":
+            named.add(words[2])
+    assert froms
     users = [arguments for keyword, arguments in final_stage(dockerfile) if keyword == "USER"]
     assert users, "the final stage runs as root"
     user = users[-1].split(":")[0]
