@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
@@ -127,6 +130,39 @@ def empty_redis_url(redis_url: str) -> str:
     client.flushdb()
     client.close()
     return redis_url
+
+
+@pytest.fixture
+def db(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the session's Redis, emptied first."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@contextlib.contextmanager
+def loopback_http_server(status_of: Callable[[str], int]) -> Iterator[str]:
+    """A real HTTP server on a free loopback port answering each GET with ``status_of(path)`` and an
+    empty body; yields its base URL. For probes (health checks, waits) that only read the status."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status_of(self.path))
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
 
 
 def short_run_overrides(tmp_path: Path, name: str) -> list[str]:

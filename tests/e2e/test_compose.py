@@ -36,9 +36,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import wait_until
 
 from deploy.launcher import free_port
-from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
 

@@ -137,14 +137,6 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
         stop_server(server.process)
 
 
-@pytest.fixture
-def db(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.close()
-
-
 def engine_args(model: Path) -> list[str]:
     return ["engine", "serve", "--model", str(model), "--threads", "1"]
 

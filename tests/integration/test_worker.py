@@ -67,14 +67,6 @@ def engine(
 
 
 @pytest.fixture
-def db(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
     """Starts ``stargym rollout`` processes; all are stopped at the end of the test."""
     started: list[RunningServer] = []

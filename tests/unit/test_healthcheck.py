@@ -7,17 +7,15 @@ compose file runs.
 
 from __future__ import annotations
 
-import http.server
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from conftest import loopback_http_server
 
 from deploy import healthcheck
 
@@ -27,22 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     """A loopback server: ``/health`` answers 200, ``/down`` 503."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200 if self.path == "/health" else 503)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with loopback_http_server(lambda path: 200 if path == "/health" else 503) as url:
+        yield url
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess[str]:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import http.server
 import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from cli_checks import (
     served_port,
     train_config,
 )
+from conftest import loopback_http_server
 
 from rollout_server.settings import WorkerSettings
 from services.contracts import ENGINE_PORT, FAMILY_PORTS, ROLLOUT_PORT, TRAINER_PORT
@@ -657,23 +656,8 @@ def wait_for_main() -> Any:
 def http_server() -> Iterator[tuple[str, list[int]]]:
     """A loopback server answering GET /health with the status at the head of a list (last one stays)."""
     statuses = [200]
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
-            self.send_response(status)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/health", statuses
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with loopback_http_server(lambda path: statuses.pop(0) if len(statuses) > 1 else statuses[0]) as url:
+        yield f"{url}/health", statuses
 
 
 def test_wait_for_returns_once_the_file_is_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
