@@ -8,7 +8,8 @@ envs. What those clients do, and so what these routes answer:
   and SciWorld's no body) → 200 ``{"id", "observation", "reward", "done"}``; the clients read
   ``id`` (TextCraft's also ``observation``) and raise on any status but 200.
 - ``POST /reset {"id", "data_idx"}`` → ``{"id", "observation", "reward", "score", "done",
-  "task_description"}``: the fields any of the three clients reads. ``data_idx`` is the seed.
+  "task_description"}``: the fields any of the three clients reads. ``data_idx`` is the seed
+  unless the env maps it onto its tasks (:meth:`Env.agentgym_task`: BabyAI's level and seed).
 - ``POST /step {"id", "action"}`` → ``{"observation", "reward", "score", "done"}``.
 - ``GET /observation?id=`` → the current observation as a bare JSON string.
 - ``GET /available_actions?id=`` → a JSON list (empty for an open-text env).
@@ -65,7 +66,8 @@ def agentgym_router(env_id: str, env_class: type[Env]) -> APIRouter:
     @router.post("/reset", response_model=AgentGymResetResult)
     async def reset(body: AgentGymReset, pool: PoolDep) -> AgentGymResetResult:
         own(pool, body.id)
-        observed = await pool.reset(body.id, body.data_idx, None)
+        seed, options = env_class.agentgym_task(body.data_idx)
+        observed = await pool.reset(body.id, seed, options)
         return AgentGymResetResult(id=body.id, observation=observed.observation)
 
     @router.post("/step", response_model=AgentGymStepResult)

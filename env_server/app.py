@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 from prometheus_client import Gauge
@@ -22,6 +23,9 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=settings.worker_threads, thread_name_prefix="env")
+        )
         reaper = asyncio.create_task(pool.reap_forever(settings.reaper_interval_s))
         try:
             yield

@@ -33,6 +33,16 @@ class Step:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class EnvFailure(Exception):
+    """The env's backing process died or hung (a crashed JVM): this instance cannot go on.
+
+    Raised from :meth:`Env.reset` or :meth:`Env.step`; the message names the cause. The host
+    closes the instance (so its resources are released) and answers 502 ``env_failed``; other
+    instances are unaffected. An action the env merely cannot carry out is not a failure: that
+    is a :class:`Step` with ``info["valid"] = False``.
+    """
+
+
 class NoOptions(BaseModel):
     """The options model of an env that takes none; unknown keys are an error, not silently dropped."""
 
@@ -62,6 +72,23 @@ class Env(abc.ABC):
     @classmethod
     def env_id(cls) -> str:
         return f"{cls.family}/{cls.name}"
+
+    @classmethod
+    def agentgym_task(cls, data_idx: int) -> tuple[int, dict[str, Any] | None]:
+        """The seed and options that AgentGym's ``/reset {"data_idx"}`` means for this env.
+
+        Default: the index is the seed and the instance keeps its options. Envs whose AgentGym
+        server maps the index onto tasks (BabyAI's 40 levels) override this.
+        """
+        return data_idx, None
+
+    async def start(self) -> None:  # noqa: B027 - optional hook, most envs need nothing scarce
+        """Acquire a scarce resource (a JVM from a bounded pool) before the first reset.
+
+        The host awaits this on its event loop, so waiting for a free resource holds no worker
+        thread; it may raise :class:`services.errors.ApiError` (429 when none frees up in time).
+        The host calls :meth:`close` whenever the instance goes away, started or not.
+        """
 
     @abc.abstractmethod
     def reset(self, seed: int, options: BaseModel) -> Observation:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from env_server.core import Env, Observation, Step
+from env_server.core import Env, EnvFailure, Observation, Step
 from services.contracts import ACTION_SEPARATOR
 from services.errors import ApiError, conflict, not_found, too_many
 
@@ -94,9 +94,12 @@ class InstancePool:
         try:
             env = env_class()
             try:
+                await env.start()
                 first = await _run(env, lambda: env.reset(seed, env_options))
-            except BaseException:
+            except BaseException as exc:
                 await _run(env, env.close)
+                if isinstance(exc, EnvFailure):
+                    raise _failed(env_id, "a new instance", exc) from None
                 raise
         finally:
             self._reserved -= 1
@@ -123,7 +126,7 @@ class InstancePool:
         async with instance.lock:
             self.get(instance_id)  # closed while we waited for the lock?
             seed = instance.seed if seed is None else seed
-            observed = await _run(instance.env, lambda: instance.env.reset(seed, env_options))
+            observed = await self._call(instance, lambda: instance.env.reset(seed, env_options))
             instance.seed, instance.options, instance.host_options = seed, new_options, host_options
             instance.observation, instance.done = observed.observation, False
             instance.turns, instance.total_reward = 0, 0.0
@@ -140,9 +143,21 @@ class InstancePool:
             self.get(instance_id)
             if instance.done:
                 raise _episode_done(instance_id)
-            result = await _run(instance.env, lambda: play_turn(instance.env, action, instance.host_options))
+            result = await self._call(
+                instance, lambda: play_turn(instance.env, action, instance.host_options)
+            )
             _record(instance, result)
         return result
+
+    async def _call(self, instance: Instance, call: Callable[[], T]) -> T:
+        """Run a reset or step of ``instance`` (its lock held); an :class:`EnvFailure` closes
+        the instance, releasing what it holds, and answers 502 naming the cause."""
+        try:
+            return await _run(instance.env, call)
+        except EnvFailure as exc:
+            if self.instances.pop(instance.instance_id, None) is not None:
+                await _run(instance.env, instance.env.close)
+            raise _failed(instance.env_id, f"instance {instance.instance_id}", exc) from None
 
     def _step_inline(self, instance: Instance, action: str) -> Step:
         if instance.done:
@@ -257,6 +272,10 @@ def _record(instance: Instance, result: Step) -> None:
     instance.turns += 1
     instance.total_reward += result.reward
     instance.touch()
+
+
+def _failed(env_id: str, which: str, exc: EnvFailure) -> ApiError:
+    return ApiError(502, "env_failed", f"{env_id}: {which} failed and is closed: {exc}")
 
 
 def _episode_done(instance_id: str) -> ApiError:

@@ -48,4 +48,10 @@ class EnvServerSettings(ServiceSettings):
     instance_ttl_s: float = Field(
         default=900.0, gt=0, description="Idle instances older than this are reaped."
     )
+    worker_threads: int = Field(
+        default=64,
+        gt=0,
+        description="Threads that run blocking env calls (asyncio's default, cores + 4, let a few "
+        "slow JVM steps stall every other thread-run env).",
+    )
     reaper_interval_s: float = Field(default=30.0, gt=0, description="How often the reaper looks.")

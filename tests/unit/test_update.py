@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import itertools
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -375,32 +377,59 @@ def test_state_dict_round_trip_through_the_checkpoint_store(model_dir: Path, tmp
 ALGORITHMS = {"grpo": {}, "gae": {"advantage": "gae", "critic": {"enabled": True}}}
 
 
+# A collective that one rank never joins raises after this instead of waiting gloo's 30 minutes.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+# Both ranks load the model, update and save in ~15 s here; the deadline covers a slow CI machine.
+SPAWN_DEADLINE_S = 240.0
+
+
 def _distributed_worker(
     rank: int, world: int, model_dir: str, out_dir: str, parallel: str, algorithm: str
 ) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    try:
-        model, tokenizer = load_policy(model_dir)
-        # Different data on each rank (its own seed, its own groups).
-        batch = _batch(model, tokenizer, seed=100 + rank, groups=2 + rank)
-        config = _config(optim={"micro_batch_tokens": 64}, **ALGORITHMS[algorithm])
-        updater = PolicyUpdater(model, config, parallel=parallel)  # type: ignore[arg-type]
-        metrics = updater.update(batch)
-        state = updater.full_policy_state_dict(rank0_only=False)
-        torch.save(
-            {"state": {k: v.detach().cpu().clone() for k, v in state.items()}, "metrics": metrics},
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
-        parts = updater.checkpoint_parts()  # a collective: every rank
-        policy = updater.gathered_policy()
-        if rank == 0:
-            assert policy is not None and parts["optimizer"].state_dict()["state"]
-            CheckpointStore(Path(out_dir) / "run").save(1, policy, tokenizer, **parts)
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    model, tokenizer = load_policy(model_dir)
+    # Different data on each rank (its own seed, its own groups).
+    batch = _batch(model, tokenizer, seed=100 + rank, groups=2 + rank)
+    config = _config(optim={"micro_batch_tokens": 64}, **ALGORITHMS[algorithm])
+    updater = PolicyUpdater(model, config, parallel=parallel)  # type: ignore[arg-type]
+    metrics = updater.update(batch)
+    state = updater.full_policy_state_dict(rank0_only=False)
+    torch.save(
+        {"state": {k: v.detach().cpu().clone() for k, v in state.items()}, "metrics": metrics},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    parts = updater.checkpoint_parts()  # a collective: every rank
+    policy = updater.gathered_policy()
+    if rank == 0:
+        assert policy is not None and parts["optimizer"].state_dict()["state"]
+        CheckpointStore(Path(out_dir) / "run").save(1, policy, tokenizer, **parts)
+    # No destroy_process_group(): with ranks arriving at different times it sometimes never
+    # returns (pytorch/pytorch#75097; it hung a CI run here). The trainer's ranks just exit too.
+    dist.barrier()
+
+
+def _spawn_ranks(args: tuple, nprocs: int) -> None:
+    """``mp.spawn`` with a deadline: on expiry every rank is killed and the test fails, so a
+    hung rank can neither outlive the test nor keep pytest from exiting (multiprocessing joins
+    live children at interpreter exit)."""
+    context = mp.start_processes(_distributed_worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for process in context.processes:
+                process.kill()
+                process.join(timeout=10)
+            pytest.fail(f"ranks {alive} still running after {SPAWN_DEADLINE_S:.0f} s: killed")
 
 
 @pytest.mark.parametrize(("parallel", "algorithm"), [("fsdp", "grpo"), ("ddp", "grpo"), ("fsdp", "gae")])
@@ -410,7 +439,7 @@ def test_two_gloo_processes_end_with_identical_weights(
     """GAE: the critic's forwards stay in step across ranks with different micro-batch counts,
     and its advantages are whitened with the statistics of both ranks' batches."""
     args = (2, str(model_dir), str(tmp_path), parallel, algorithm)
-    mp.spawn(_distributed_worker, args=args, nprocs=2, join=True)
+    _spawn_ranks(args, nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     initial, tokenizer = load_policy(model_dir)
     initial_state = initial.state_dict()
