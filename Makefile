@@ -8,6 +8,8 @@ PYTEST := $(BIN)/python -m pytest
 .PHONY: setup test test-fast demo bench lint clean
 
 setup: $(STAMP)
+	@$(JAVA_OK) || echo "note: embodied/sciworld (ScienceWorld) runs a JVM and needs Java 17 or newer, not found;" \
+		"install it with: sudo apt-get install openjdk-17-jre-headless (or: make java)" >&2
 
 # Reinstalls only when the dependency list changes; editable, so code edits need no reinstall.
 $(STAMP): pyproject.toml
@@ -37,6 +39,15 @@ browser:
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# ScienceWorld's simulator is a Scala jar run by py4j: embodied/sciworld needs a Java 17+ runtime.
+# `setup` only says so when it is missing (the other envs do without); the tests install it.
+JAVA_OK := java -version 2>&1 | grep -Eq 'version "(1[7-9]|[2-9][0-9])'
+.PHONY: java
+java:
+	@$(JAVA_OK) || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless; }
+
 # docker-compose.yml runs here without a Docker engine: podman, its config and a base image built
 # locally (deploy/docker/podman-setup.sh), and this host's CPU torch wheel in the image build
 # context, so the image build does not download torch (deploy/docker/Dockerfile prefers it).
@@ -49,14 +60,14 @@ podman: setup
 		if [ -f "$$wheel" ]; then cp -u "$$wheel" $(WHEELHOUSE)/; fi; done
 
 # Everything CI runs, the vLLM, browser and compose tests included.
-test: setup vllm-venv browser podman
+test: setup java vllm-venv browser podman
 	$(WITH_VLLM) STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests --durations=10; $(NO_TESTS_IS_FAILURE)
 
 # Builds the images, brings the compose file's cpu profile up, trains 3 updates, tears it down.
 test-compose: podman
 	STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests/e2e/test_compose.py --durations=5; $(NO_TESTS_IS_FAILURE)
 
-test-fast: setup
+test-fast: setup java
 	$(PYTEST) tests -m "not slow and not vllm and not compose and not browser"
 
 test-vllm: setup vllm-venv
