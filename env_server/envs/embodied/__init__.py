@@ -1,0 +1,1 @@
+"""Embodied envs: BabyAI grid worlds (minigrid) and ScienceWorld."""
