@@ -45,16 +45,22 @@ def collect_env_texts(
 
     Every episode is seeded (env and action choice alike), so the same envs give the same texts.
     Half the episodes start with an invalid action, so refusal messages are in the corpus too.
+    Each env plays ``episodes`` seeds of each of its ``vocabulary_options``.
     """
     texts: list[str] = []
     actions: set[str] = set()
     for env_class in env_classes.values():
         texts += [env_class.instruction, env_class.action_format]
-        for seed in range(episodes):
+        plays = [
+            (env_class.Options.model_validate(options), seed)
+            for options in env_class.vocabulary_options
+            for seed in range(episodes)
+        ]
+        for options, seed in plays:
             rng = random.Random(seed)
             env = env_class()
             try:
-                observation = env.reset(seed, env_class.Options()).observation
+                observation = env.reset(seed, options).observation
                 texts.append(observation)
                 if seed % 2:
                     texts.append(env.step(INVALID_ACTION).observation)

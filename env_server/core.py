@@ -65,6 +65,9 @@ class Env(abc.ABC):
     default_max_turns: ClassVar[int]
     reward_range: ClassVar[tuple[float, float]]
     Options: ClassVar[type[BaseModel]] = NoOptions
+    # What `stargym model init` plays (each option set for its number of seeds) so the tiny policy's
+    # vocabulary covers what a policy of this env will read and say; default: the default options.
+    vocabulary_options: ClassVar[tuple[dict[str, Any], ...]] = ({},)
     # True when reset and step cost microseconds: the host then runs them on its event loop instead
     # of hopping to a worker thread, which would cost more than the call itself.
     runs_inline: ClassVar[bool] = False

@@ -95,3 +95,13 @@ def test_same_seed_same_files_other_seed_other_weights(model_dir: Path, tmp_path
     other = file_hashes(init_tiny_model(tmp_path / "other", 1, ENVS, EPISODES, MAX_STEPS))
     assert other["model.safetensors"] != file_hashes(model_dir)["model.safetensors"]
     assert other["tokenizer.json"] == file_hashes(model_dir)["tokenizer.json"]
+
+
+def test_babyai_vocabulary_covers_agentgyms_levels_not_only_the_default(tmp_path: Path) -> None:
+    """``vocabulary_options``: door, key and box actions of AgentGym's 40 levels become single
+    tokens too, though the default level (GoToRedBall) has none of them."""
+    texts, actions = collect_env_texts(resolve_envs(["embodied/babyai"]), EPISODES, MAX_STEPS)
+    assert any("door" in action for action in actions) and any("key" in action for action in actions)
+    assert {"go to red ball 1", "drop"} <= set(actions)
+    tokenizer = build_tokenizer(texts, actions)
+    assert all(len(tokenizer.encode(action)) == 1 for action in actions)

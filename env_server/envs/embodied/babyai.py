@@ -152,6 +152,8 @@ class BabyAIEnv(Env):
     default_max_turns = 20  # AgentGym-RL's BabyAI horizon
     reward_range = (0.0, 1.0)
     Options = BabyAIOptions
+    # The default level, and AgentGym's 40 (doors, keys, boxes): their actions become single tokens.
+    vocabulary_options = ({}, {"level": AGENTGYM_MIX})
     # Measured on the 2-core dev machine (random actions, 100 seeds): reset p50 1.2-1.4 ms on
     # GoToRedBall, PickupLoc and UnlockLocal (p99 ~6 ms), 3.2 ms on BossLevel (p99 12 ms); a step
     # p50 ~0.8 ms (p99 5-10 ms: a long path is many minigrid moves at ~0.2 ms each, then the view
