@@ -34,6 +34,8 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
             await pool.close_all()
+            for env_class in env_classes.values():
+                await asyncio.to_thread(env_class.shutdown)
 
     families = sorted({cls.family for cls in env_classes.values()})
     app = create_app(

@@ -105,5 +105,11 @@ class Env(abc.ABC):
         """The actions valid now, or None when the action space is open text."""
         return None
 
+    @classmethod  # noqa: B027 - optional hook, most envs share nothing
+    def shutdown(cls) -> None:
+        """Release what the class shares between its instances (a JVM pool). The host calls it
+        once when it stops, after it has closed every instance: uvicorn re-raises SIGTERM after
+        its shutdown, so ``atexit`` hooks never run in a server."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most envs hold nothing to release
         """Release what the env holds (processes, files). Called once when its instance goes away."""

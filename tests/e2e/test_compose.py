@@ -6,11 +6,12 @@ There is no Docker engine here; ``podman-compose`` runs the same file (``make te
 proves, in the order a user meets it:
 
 * the images build from the compose file's ``build`` sections (cached between runs: podman reuses
-  layers whose inputs did not change);
-* redis, env-game, trainer-cpu, engine and rollout-cpu come up healthy. podman 4.3 ignores
-  ``depends_on: condition: service_healthy``, so the test brings them up in dependency order and
-  runs each container's own health check until it passes;
-* env instances are created and stepped through the published env port;
+  layers whose inputs did not change), the embodied env server's with Java;
+* redis, env-game, env-embodied, trainer-cpu, engine and rollout-cpu come up healthy. podman 4.3
+  ignores ``depends_on: condition: service_healthy``, so the test brings them up in dependency order
+  and runs each container's own health check until it passes;
+* env instances are created and stepped through the published env ports: a FrozenLake game, a
+  BabyAI level and a ScienceWorld task (a JVM in the container);
 * the trainer issues jobs, the worker plays them against the engine and env containers, and the
   trajectories come back through Redis: at least 3 updates;
 * the dashboard answers on its published port and sees the worker over the compose network;
@@ -159,6 +160,7 @@ def project() -> Iterator[ComposeProject]:
         "STARGYM_CPU_TORCH_INDEX_URL": "https://pypi.org/simple",
         "STARGYM_REDIS_IMAGE": REDIS_IMAGE,
         "STARGYM_ENV_GAME_PORT": str(free_port()),
+        "STARGYM_ENV_EMBODIED_PORT": str(free_port()),
         "STARGYM_DASHBOARD_PORT": str(free_port()),
         "STARGYM_LOG_LEVEL": "info",
     }
@@ -171,27 +173,45 @@ def project() -> Iterator[ComposeProject]:
     )  # fmt: skip
     compose = ComposeProject(f"stargym-test-{uuid.uuid4().hex[:8]}", env, log_dir)
     started = time.monotonic()
-    # Every cpu-profile service runs the one `stargym` image: building it through one service
-    # builds it for all (podman-compose would build the same image four times in parallel).
-    compose.compose("build", "env-game", deadline_s=BUILD_DEADLINE_S)
-    print(f"compose build: {time.monotonic() - started:.0f} s", file=sys.stderr)
+    # Every other cpu-profile service runs the one `stargym` image: building it through one service
+    # builds it for all (podman-compose would build the same image four times in parallel). The
+    # embodied image then reuses its layers below Java.
+    for service in ("env-game", "env-embodied"):
+        compose.compose("build", service, deadline_s=BUILD_DEADLINE_S)
+        print(f"compose build {service}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     try:
         yield compose
     finally:
         compose.compose("down", "-v", "-t", "1", deadline_s=300)
 
 
-def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> None:
-    started = time.monotonic()
-    project.up("redis", "env-game")
-    env_url = f"http://127.0.0.1:{project.env['STARGYM_ENV_GAME_PORT']}"
-    with httpx.Client(base_url=env_url, timeout=10.0) as env:
-        created = env.post("/instances", json={"env": "game/frozenlake", "seed": 3})
+def play_one_step(project: ComposeProject, port_variable: str, create: dict, action: str) -> tuple[str, dict]:
+    """Create an instance through a published env port, take one action and close it: the first
+    observation and the step's result."""
+    env_url = f"http://127.0.0.1:{project.env[port_variable]}"
+    # A ScienceWorld create starts a JVM (~3 s) and loads the task (~2 s) on a busy 2-core machine.
+    with httpx.Client(base_url=env_url, timeout=60.0) as env:
+        created = env.post("/instances", json=create)
         assert created.status_code == 201, created.text
         instance = created.json()["instance_id"]
-        stepped = env.post(f"/instances/{instance}/step", json={"action": "down"})
+        stepped = env.post(f"/instances/{instance}/step", json={"action": action})
         assert stepped.status_code == 200, stepped.text
         assert env.delete(f"/instances/{instance}").status_code in (200, 204)
+    return created.json()["observation"], stepped.json()
+
+
+def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> None:
+    started = time.monotonic()
+    project.up("redis", "env-game", "env-embodied")
+    play_one_step(project, "STARGYM_ENV_GAME_PORT", {"env": "game/frozenlake", "seed": 3}, "down")
+    embodied = "STARGYM_ENV_EMBODIED_PORT"
+    first, step = play_one_step(project, embodied, {"env": "embodied/babyai", "seed": 3}, "turn left")
+    assert first.startswith("Your goal: go to the red ball") and step["info"]["valid"], (first, step)
+    # ScienceWorld's simulator runs in a JVM: this proves the image's Java.
+    first, step = play_one_step(project, embodied, {"env": "embodied/sciworld", "seed": 0}, "look around")
+    assert first.startswith("Your task is to boil water"), first
+    assert "This room is called" in step["observation"], step
+    print(f"env servers answered after {time.monotonic() - started:.0f} s", file=sys.stderr)
 
     project.up("trainer-cpu")  # makes the tiny model the engine serves, then answers /health
     project.up("engine")

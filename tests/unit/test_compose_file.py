@@ -4,9 +4,11 @@ The compose file is validated against the Compose Specification, then read as co
 (YAML merge keys resolved, ``${VAR:-default}`` interpolated with the defaults and with a .env of
 chosen values) and checked for what a schema cannot see: each stargym service's command parses as a
 ``stargym`` command on the port services.contracts gives it, its ``STARGYM_*`` variables are settings
-it reads, every URL it is given names a service of its stack listening there, health checks and
-dependencies line up, and only the dashboard and the game env server are published. .env.example
-must document exactly the variables the file reads. The Dockerfiles pass hadolint.
+it reads, every URL it is given names a service of its stack listening there, the workers and the
+trainers know every env server, health checks and dependencies line up, and only the dashboard and the
+env servers are published. Java goes into the embodied env server's image only, with its JVMs' heap
+capped below the container's memory. .env.example must document exactly the variables the file reads.
+The Dockerfiles pass hadolint.
 ``tests/e2e/test_compose.py`` brings the cpu profile up for real.
 """
 
@@ -26,6 +28,8 @@ import yaml
 from cli_checks import (
     REPO_ROOT,
     SUBCOMMAND_SETTINGS,
+    embodied_memory_mib,
+    load_service_settings,
     load_settings,
     parse_stargym,
     served_port,
@@ -35,7 +39,7 @@ from cli_checks import (
 from deploy import healthcheck
 from rollout_server.engine.settings import EngineSettings
 from rollout_server.settings import WorkerSettings, parse_engine_urls
-from services.contracts import ROLLOUT_PORT, TRAINER_PORT, parse_env_servers
+from services.contracts import FAMILY_PORTS, ROLLOUT_PORT, TRAINER_PORT, parse_env_servers
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 ENV_FILE = REPO_ROOT / ".env"
@@ -50,6 +54,7 @@ STARGYM_UID = 10001  # the Kubernetes manifests' runAsUser and the owner of the 
 PROFILES = {
     "redis": set(),
     "env-game": set(),
+    "env-embodied": set(),
     "vllm": {"gpu"},
     "rollout": {"gpu"},
     "trainer": {"gpu"},
@@ -57,7 +62,11 @@ PROFILES = {
     "rollout-cpu": {"cpu"},
     "trainer-cpu": {"cpu"},
 }
-PUBLISHED = {"env-game": "STARGYM_ENV_GAME_PORT", "trainer": "STARGYM_DASHBOARD_PORT"}
+PUBLISHED = {
+    "env-game": "STARGYM_ENV_GAME_PORT",
+    "env-embodied": "STARGYM_ENV_EMBODIED_PORT",
+    "trainer": "STARGYM_DASHBOARD_PORT",
+}
 PUBLISHED["trainer-cpu"] = PUBLISHED["trainer"]
 
 # A .env a user might write: every value differs from the default, and the stacks still fit together.
@@ -67,6 +76,9 @@ STARGYM_IMAGE=registry.example.com/team/stargym
 STARGYM_IMAGE_TAG=0.1
 STARGYM_BIND_ADDRESS=0.0.0.0
 STARGYM_ENV_GAME_PORT=9101
+STARGYM_ENV_EMBODIED_PORT=9102
+STARGYM_SCIWORLD_POOL_SIZE=8
+STARGYM_ENV_EMBODIED_MEMORY=6g
 STARGYM_DASHBOARD_PORT=9300
 STARGYM_MODEL_DIR=/srv/models/Qwen2.5-7B-Instruct
 STARGYM_GPU_CONFIG=configs/textcraft-qwen2.5-7b-gpu.yaml
@@ -408,7 +420,7 @@ def test_stargym_services_run_the_stargym_image(variables: dict[str, str]) -> No
     }
     builds: dict[str, dict[str, Any]] = {}
     for name, service in stargym_services(config):
-        assert service["image"] in {f"{image}:{tag}", f"{image}-cuda:{tag}"}, name
+        assert service["image"] in {f"{image}{flavour}:{tag}" for flavour in ("", "-cuda", "-embodied")}, name
         assert "entrypoint" not in service, f"{name}: the image's entrypoint is `stargym`"
         build = service["build"]
         assert build["context"] == "." and set(build["args"]) <= declared, f"{name}: {build}"
@@ -416,7 +428,69 @@ def test_stargym_services_run_the_stargym_image(variables: dict[str, str]) -> No
         assert builds.setdefault(service["image"], build) == build, (
             f"{name} builds {service['image']} differently"
         )
-    assert len(builds) == 2  # the CPU image and the GPU trainer's
+    assert len(builds) == 3  # the CPU image, the embodied env server's (with Java) and the GPU trainer's
+
+
+def served_families(service: dict[str, Any]) -> list[str]:
+    """The env families a service serves (none: not an env server)."""
+    path, params = role(service)
+    return list(params["families"]) if path == ("env", "serve") else []
+
+
+def test_java_goes_into_the_embodied_env_servers_image_only(variables: dict[str, str]) -> None:
+    config = load_compose(variables)
+    stage = final_stage(DOCKERFILE)
+    assert ("ARG", "WITH_JAVA=false") in stage, "the images without Java are the default"
+    (install,) = [args for keyword, args in stage if keyword == "RUN" and "WITH_JAVA" in args]
+    assert "openjdk-17-jre-headless" in install and "--no-install-recommends" in install
+    for name, service in stargym_services(config):
+        java = service["build"]["args"].get("WITH_JAVA", "false")
+        assert java == ("true" if "embodied" in served_families(service) else "false"), name
+
+
+def memory_mib(text: str) -> float:
+    """A compose byte value (``4g``, ``512m``, ``1.5gb``; binary multiples) in MiB."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([bkmg]?)b?", text.lower())
+    assert match, f"{text!r} is not a byte value"
+    exponent = {"b": 0, "": 0, "k": 1, "m": 2, "g": 3}[match[2]]
+    return float(match[1]) * 1024**exponent / 1024**2
+
+
+def test_the_embodied_env_servers_jvms_fit_its_memory_limit(
+    variables: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = load_compose(variables)["services"]["env-embodied"]
+    path, params = role(service)
+    _, pool = load_service_settings(path, params, container_environment(service), monkeypatch)
+    limit = memory_mib(service["deploy"]["resources"]["limits"]["memory"])
+    assert embodied_memory_mib(pool) <= limit, f"{pool} needs more than {limit:.0f} MiB"
+
+
+def test_the_workers_and_the_trainers_know_every_env_server(
+    variables: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A family's server that the workers do not name gets no episodes; one the trainer does not name
+    is probed at 127.0.0.1 (nothing there) when a config trains on it."""
+    config = load_compose(variables)
+    for profile in ("gpu", "cpu"):
+        stack = active(config, profile)
+        served = {
+            family: f"http://{name}:{listening_port(config, name)}"
+            for name, service in stack.items()
+            if is_stargym(service)
+            for family in served_families(service)
+        }
+        assert set(served) == {"game", "embodied"}, profile
+        for name, service in stack.items():
+            if not is_stargym(service):
+                continue
+            path, params = role(service)
+            if path == ("rollout",):
+                with monkeypatch.context() as patch:
+                    worker = load_settings(WorkerSettings, container_environment(service), patch)
+                assert worker.env_urls == {family: [url] for family, url in served.items()}, name
+            if path == ("train",):
+                assert train_config(params).envs.servers == served, name
 
 
 def test_commands_are_stargym_commands_on_the_designed_ports(variables: dict[str, str]) -> None:
@@ -435,11 +509,8 @@ def test_stargym_variables_are_settings_the_service_reads(
     config = load_compose(variables)
     token = variables.get("STARGYM_API_TOKEN") or None
     for name, service in stargym_services(config):
-        path, _ = role(service)
-        with monkeypatch.context() as patch:
-            settings = load_settings(
-                SUBCOMMAND_SETTINGS[path], container_environment(service), patch, where=name
-            )
+        path, params = role(service)
+        settings, *_ = load_service_settings(path, params, container_environment(service), monkeypatch, name)
         assert settings.host == "0.0.0.0", f"{name} would listen on {settings.host} only"
         tokens = [settings.api_token]
         if isinstance(settings, WorkerSettings):
@@ -495,8 +566,7 @@ def test_every_url_names_a_service_of_the_stack_listening_there(
             if not is_stargym(service):
                 continue
             path, params = role(service)
-            with monkeypatch.context() as patch:
-                settings = load_settings(SUBCOMMAND_SETTINGS[path], container_environment(service), patch)
+            settings, *_ = load_service_settings(path, params, container_environment(service), monkeypatch)
             # The servers it needs from the start (it waits for them to be healthy), then the others.
             needed = [settings.redis_url] if hasattr(settings, "redis_url") else []
             others = []
@@ -508,6 +578,7 @@ def test_every_url_names_a_service_of_the_stack_listening_there(
             if path == ("train",):  # the env servers of the run, which its dashboard probes
                 envs_config = train_config(params).envs
                 others += [envs_config.url_for(env.id) for env in envs_config.mix]
+                others += list(envs_config.servers.values())
             for url in needed + others:
                 parts = urlsplit(url)
                 where = f"{profile}: {name} is given {url}"
@@ -564,10 +635,14 @@ def test_dependencies_wait_for_health_within_the_stack() -> None:
                 assert "healthcheck" in services[dependency], f"{name}: {dependency} has no health check"
 
 
-def test_only_the_dashboard_and_the_game_env_server_are_published(variables: dict[str, str]) -> None:
+def test_only_the_dashboard_and_the_env_servers_are_published(variables: dict[str, str]) -> None:
     config = load_compose(variables)
     address = variables.get("STARGYM_BIND_ADDRESS", "127.0.0.1")
-    defaults = {"STARGYM_ENV_GAME_PORT": "8101", "STARGYM_DASHBOARD_PORT": str(TRAINER_PORT)}
+    defaults = {
+        "STARGYM_ENV_GAME_PORT": str(FAMILY_PORTS["game"]),
+        "STARGYM_ENV_EMBODIED_PORT": str(FAMILY_PORTS["embodied"]),
+        "STARGYM_DASHBOARD_PORT": str(TRAINER_PORT),
+    }
     for name, service in config["services"].items():
         assert "network_mode" not in service, f"{name}: outside the compose network"
         ports = published_ports(service)

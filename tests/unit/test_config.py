@@ -31,6 +31,9 @@ def test_the_expected_recipes_exist() -> None:
         "sokoban-tiny",
         "textcraft-qwen2.5-7b-gpu",
         "sokoban-qwen2.5-0.5b-gpu",
+        "babyai-tiny",
+        "babyai-qwen2.5-7b-gpu",
+        "sciworld-qwen2.5-7b-gpu",
     } <= names
 
 
@@ -67,6 +70,14 @@ def test_recipes_say_what_the_issue_says() -> None:
     assert craft.algorithm.advantage == "grpo" and craft.optim.lr == pytest.approx(1e-6)
     assert craft.rollout.group_size == 8 and craft.algorithm.kl_coef == pytest.approx(0.001)
     assert "7B" in craft.model.path
+    # AgentGym-RL's ScalingInter schedules: BabyAI 6/13/20, SciWorld 10/20/30, widened every 100 updates
+    babyai, sciworld = by_name["babyai-qwen2.5-7b-gpu"], by_name["sciworld-qwen2.5-7b-gpu"]
+    assert babyai.curriculum.horizon_schedule == [(0, 6), (100, 13), (200, 20)]
+    assert sciworld.curriculum.horizon_schedule == [(0, 10), (100, 20), (200, 30)]
+    assert (babyai.rollout.group_size, babyai.rollout.groups_per_batch) == (4, 32)
+    assert (sciworld.rollout.group_size, sciworld.rollout.groups_per_batch) == (8, 16)
+    assert babyai.envs.mix[0].options == {"level": "agentgym"}  # AgentGym's 40 levels
+    assert by_name["babyai-tiny"].envs.mix[0].id == "embodied/babyai"
     sokoban = by_name["sokoban-qwen2.5-0.5b-gpu"]
     assert sokoban.preset == "starpo_s" and sokoban.starpo_s.filter.enabled
     assert (sokoban.rollout.groups_per_batch, sokoban.rollout.group_size) == (8, 16)

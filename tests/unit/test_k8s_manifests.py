@@ -5,7 +5,8 @@ each object is validated against the Kubernetes schemas, strictly (an unknown fi
 oldest and the newest version we claim. The rest checks what a schema cannot: each container's
 command parses as a ``stargym`` command, its ports and URLs agree with services.contracts and with
 the Services of the build, its ``STARGYM_*`` variables are settings the service reads, the API
-token and the volumes are wired, and the NetworkPolicies let through exactly who they should.
+token and the volumes are wired, the NetworkPolicies let through exactly who they should, and the
+embodied env server runs the image with Java, its JVMs within its memory limit.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import pytest
 import yaml
 from cli_checks import (
     SUBCOMMAND_SETTINGS,
+    embodied_memory_mib,
     env_names,
     is_setting,
-    load_settings,
+    load_service_settings,
     parse_stargym,
     served_port,
     train_config,
@@ -52,6 +54,8 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Pod")
 SECRET_VALUE = "token-from-the-secret"
 POD_IP = "10.1.2.3"
 WAIT_FOR = K8S / "base" / "wait_for.py"
+# The stargym image and the same with Java 17, which only the embodied env server runs.
+STARGYM_IMAGES = {"stargym", "stargym-embodied"}
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -119,7 +123,7 @@ def stargym_containers(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dic
     """(workload, pod spec, main container) of every container running the stargym CLI."""
     for name, template in workloads(objects):
         for container in template["spec"]["containers"]:
-            if image_name(container) == "stargym" and "command" not in container:
+            if image_name(container) in STARGYM_IMAGES and "command" not in container:
                 yield name, template["spec"], container
 
 
@@ -282,7 +286,7 @@ def test_every_container_has_probes_resources_and_no_privileges(build: str) -> N
             assert context["allowPrivilegeEscalation"] is False, where
             assert context["capabilities"]["drop"] == ["ALL"], where
             assert "add" not in context["capabilities"], where
-            if image_name(container) == "stargym":
+            if image_name(container) in STARGYM_IMAGES:
                 effective = spec["securityContext"] | context
                 assert effective["runAsNonRoot"] is True and effective["runAsUser"] == 10001, where
         for container in spec["containers"]:
@@ -343,6 +347,7 @@ def test_pod_security_levels_match_the_namespaces() -> None:
 def test_base_runs_several_env_servers_and_workers_one_trainer_and_redis() -> None:
     base = rendered("base")
     assert find(base, "Deployment", "env-game")["spec"]["replicas"] >= 2
+    assert find(base, "Deployment", "env-embodied")["spec"]["replicas"] >= 1
     assert find(base, "Deployment", "rollout")["spec"]["replicas"] >= 2
     assert find(base, "Deployment", "vllm")["spec"]["replicas"] == 1
     assert find(base, "StatefulSet", "trainer")["spec"]["replicas"] == 1
@@ -352,7 +357,7 @@ def test_base_runs_several_env_servers_and_workers_one_trainer_and_redis() -> No
 @pytest.mark.parametrize("build", BUILDS)
 def test_scaled_servers_are_found_through_headless_services(build: str) -> None:
     objects = rendered(build)
-    scaled = {"env-game", "engine"} if build == "cpu" else {"env-game", "vllm"}
+    scaled = {"env-game", "env-embodied", "engine" if build == "cpu" else "vllm"}
     assert scaled <= names(objects, "Service")
     for service in scaled:
         assert find(objects, "Service", service)["spec"]["clusterIP"] == "None", service
@@ -452,6 +457,7 @@ def test_every_url_names_a_service_of_the_build_on_the_right_port(build: str) ->
         if path == ("train",):
             config = train_config(params)
             urls += [(name, config.envs.url_for(env.id)) for env in config.envs.mix]
+            urls += [(name, url) for url in config.envs.servers.values()]
         if path == ("rollout",):
             engines = [url for item in params["engine_url"] for url in item.split(",")]
             urls += [(name, url) for url in engines]
@@ -459,7 +465,11 @@ def test_every_url_names_a_service_of_the_build_on_the_right_port(build: str) ->
             (wait,) = pod_template(find(objects, "Deployment", "rollout"))["spec"]["initContainers"]
             waited = wait["args"][wait["args"].index("--url") + 1]
             assert waited in {f"{url}/health" for url in engines}, waited
-    assert {url for _, url in urls} >= {"redis://redis:6379/0", "http://env-game:8101"}
+    assert {url for _, url in urls} >= {
+        "redis://redis:6379/0",
+        "http://env-game:8101",
+        "http://env-embodied:8102",
+    }
     for client, url in urls:
         parts = urlsplit(url)
         service = find(objects, "Service", parts.hostname)
@@ -484,15 +494,55 @@ def test_stargym_variables_are_settings_the_service_reads(
 ) -> None:
     objects = rendered(build)
     for name, _, container in stargym_containers(objects):
-        path, _ = parse_stargym(argv(container, objects))
-        settings_class = SUBCOMMAND_SETTINGS[path]
+        path, params = parse_stargym(argv(container, objects))
         values = env_values(container, secret_data(objects))
         used = " ".join([*container["args"], *(v.get("value", "") for v in container["env"])])
         for var in values:
             if not is_setting(var):
                 assert f"$({var})" in used, f"{name}: {var} is set and never used"
-        with monkeypatch.context() as patch:
-            load_settings(settings_class, values, patch, where=name)
+        load_service_settings(path, params, values, monkeypatch, where=name)
+
+
+def quantity_mib(text: str) -> float:
+    """A Kubernetes memory quantity (``4Gi``, ``512Mi``, ``1G``) in MiB."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i|[kMGT]|)", text)
+    assert match, f"{text!r}: a quantity this test does not read"
+    scale = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    return float(match[1]) * scale.get(match[2], 1) / 2**20
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_only_the_embodied_env_server_runs_java_and_its_jvms_fit_its_memory(
+    build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = rendered(build)
+    seen = []
+    for name, _, container in stargym_containers(objects):
+        path, params = parse_stargym(argv(container, objects))
+        embodied = path == ("env", "serve") and "embodied" in params["families"]
+        assert (image_name(container) == "stargym-embodied") == embodied, name
+        if embodied:
+            seen.append(name)
+            values = env_values(container, secret_data(objects))
+            _, pool = load_service_settings(path, params, values, monkeypatch, where=name)
+            limit = quantity_mib(container["resources"]["limits"]["memory"])
+            assert embodied_memory_mib(pool) <= limit, f"{name}: {pool} needs more than {limit:.0f} MiB"
+    assert seen == ["env-embodied"]
+
+
+def test_the_readme_patch_grows_the_jvm_pool_within_its_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readme = (K8S / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)
+    (patch_block,) = [block for block in blocks if "STARGYM_SCIWORLD_POOL_SIZE" in block]
+    objects = overlay(tmp_path, {"resources": ["overlays/cpu"], **yaml.safe_load(patch_block)})
+    container = pod_template(find(objects, "Deployment", "env-embodied"))["spec"]["containers"][0]
+    path, params = parse_stargym(argv(container, objects))
+    values = env_values(container, secret_data(objects))
+    _, pool = load_service_settings(path, params, values, monkeypatch)
+    assert pool.pool_size == 8
+    assert embodied_memory_mib(pool) <= quantity_mib(container["resources"]["limits"]["memory"])
 
 
 def test_the_rollout_workers_advertise_their_pod_and_get_time_to_stop() -> None:
@@ -527,7 +577,7 @@ def test_the_api_token_reaches_every_service(build: str) -> None:
         if name == "rollout":
             expected |= {"STARGYM_ROLLOUT_ENV_API_TOKEN", "STARGYM_ROLLOUT_ENGINE_API_TOKEN"}
         assert from_secret(container) == expected, name
-    assert seen >= {"env-game", "rollout", "trainer"}
+    assert seen >= {"env-game", "env-embodied", "rollout", "trainer"}
     if build != "cpu":
         vllm = pod_template(find(objects, "Deployment", "vllm"))["spec"]["containers"][0]
         assert from_secret(vllm) == {"VLLM_API_KEY"}
@@ -595,11 +645,15 @@ def test_the_rwo_component_makes_both_claims_read_write_once(tmp_path: Path) -> 
 
 
 def test_an_overlay_renames_every_stargym_image_in_one_place(tmp_path: Path) -> None:
-    images = [{"name": "stargym", "newName": "registry.example.com/stargym", "newTag": "0.1"}]
+    images = [
+        {"name": name, "newName": f"registry.example.com/{name}", "newTag": "0.1"} for name in STARGYM_IMAGES
+    ]
     objects = overlay(tmp_path, {"resources": ["overlays/cpu"], "images": images})
-    stargym = [c for _, t in workloads(objects) for c in containers(t["spec"]) if image_name(c) == "stargym"]
-    assert len(stargym) >= 6  # main and init containers alike
-    assert {c["image"] for c in stargym} == {"registry.example.com/stargym:0.1"}
+    stargym = [
+        c for _, t in workloads(objects) for c in containers(t["spec"]) if image_name(c) in STARGYM_IMAGES
+    ]
+    assert len(stargym) >= 7  # main and init containers alike
+    assert {c["image"] for c in stargym} == {f"registry.example.com/{name}:0.1" for name in STARGYM_IMAGES}
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -610,6 +664,7 @@ def test_network_policies_let_through_only_who_needs_it(build: str) -> None:
         "redis": ({"rollout", "trainer"}, {6379}),
         inference: ({"rollout", "trainer"}, {ENGINE_PORT if build == "cpu" else 8000}),
         "env-game": ({"rollout", "trainer"}, {FAMILY_PORTS["game"]}),
+        "env-embodied": ({"rollout", "trainer"}, {FAMILY_PORTS["embodied"]}),
         "rollout": ({"trainer"}, {ROLLOUT_PORT}),
         "trainer": ({ANYONE}, {TRAINER_PORT}),
     }
