@@ -20,7 +20,13 @@ from conftest import wait_until
 from pydantic import ValidationError
 
 from env_server.core import EnvFailure
-from env_server.envs.embodied.jvm_pool import JvmPool, JvmPoolSettings, ScienceWorldJvm, shared_pool
+from env_server.envs.embodied.jvm_pool import (
+    JvmPool,
+    JvmPoolSettings,
+    ScienceWorldJvm,
+    default_pool_size,
+    shared_pool,
+)
 from env_server.envs.embodied.sciworld import (
     AGENTGYM_EXCLUDED,
     AGENTGYM_SIZE,
@@ -314,3 +320,17 @@ def test_the_shared_pool_ends_at_shutdown_and_starts_again_on_use() -> None:
     again.reset(0, CHEAP)
     assert shared_pool().pids() != {pid}
     again.close()
+
+
+def test_the_default_pool_size_respects_a_containers_memory_limit(tmp_path: Path) -> None:
+    """A container sees the host's memory: the cgroup's limit (v2 or v1) bounds the pool instead."""
+    unlimited = default_pool_size(tmp_path)  # no cgroup files: cores and physical memory
+    assert unlimited >= 1
+    (tmp_path / "memory.max").write_text("max\n")
+    assert default_pool_size(tmp_path) == unlimited
+    (tmp_path / "memory.max").write_text(f"{3 * 2**30}\n")  # cgroup v2, 3 GiB: at most 3 JVMs
+    assert default_pool_size(tmp_path) == min(unlimited, 3)
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2**29}\n")  # cgroup v1, 512 MiB
+    assert default_pool_size(tmp_path) == 1

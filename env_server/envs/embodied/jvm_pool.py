@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, TypeVar
 
 from py4j.java_gateway import (
@@ -60,16 +61,20 @@ CLOSE_GRACE_S = 5.0
 STDERR_LINES = 5  # the JVM's last stderr lines kept to explain an exit (an OutOfMemoryError)
 
 
-def default_pool_size() -> int:
+def default_pool_size(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     """Two JVMs per core, at most one per GiB of memory.
 
     An instance holds its JVM while the policy thinks, and a JVM only needs a core while it
     answers a call, so the pool outnumbers the cores; the memory bound keeps JVMs (~0.5 GB each
-    at the default heap) to half of the machine.
+    at the default heap) to half of the memory, the container's limit where it has one (a
+    container sees the host's memory, and a pool sized by that would be OOM-killed).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
-    return max(1, min(2 * cores, memory_gib))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):  # absent, or "max": no limit
+            memory = min(memory, int(limit_file.read_text().strip()))
+    return max(1, min(2 * cores, memory // 2**30))
 
 
 class JvmPoolSettings(BaseSettings):
