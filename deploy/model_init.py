@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -39,21 +39,30 @@ def resolve_envs(names: list[str]) -> dict[str, type[Env]]:
 
 
 def collect_env_texts(
-    env_classes: dict[str, type[Env]], episodes: int, max_steps: int
+    env_classes: dict[str, type[Env]],
+    episodes: int,
+    max_steps: int,
+    options_by_env: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Texts (instructions, action formats, observations) and actions, in a deterministic order.
 
     Every episode is seeded (env and action choice alike), so the same envs give the same texts.
     Half the episodes start with an invalid action, so refusal messages are in the corpus too.
-    Each env plays ``episodes`` seeds of each of its ``vocabulary_options``.
+    Each env plays ``episodes`` seeds of its options in ``options_by_env`` (a run's mix: the
+    vocabulary of what it trains on), else of each of its ``vocabulary_options``.
     """
     texts: list[str] = []
     actions: set[str] = set()
-    for env_class in env_classes.values():
+    for env_id, env_class in env_classes.items():
         texts += [env_class.instruction, env_class.action_format]
+        option_sets = (
+            [options_by_env[env_id]]
+            if options_by_env and env_id in options_by_env
+            else env_class.vocabulary_options
+        )
         plays = [
             (env_class.Options.model_validate(options), seed)
-            for options in env_class.vocabulary_options
+            for options in option_sets
             for seed in range(episodes)
         ]
         for options, seed in plays:
@@ -81,9 +90,16 @@ def collect_env_texts(
     return texts, sorted(actions)
 
 
-def init_tiny_model(out: Path, seed: int, env_names: list[str], episodes: int, max_steps: int) -> Path:
+def init_tiny_model(
+    out: Path,
+    seed: int,
+    env_names: list[str],
+    episodes: int,
+    max_steps: int,
+    options_by_env: dict[str, dict[str, Any]] | None = None,
+) -> Path:
     """Collect the named envs' texts and write the tiny policy to ``out``; what the command runs."""
-    texts, actions = collect_env_texts(resolve_envs(env_names), episodes, max_steps)
+    texts, actions = collect_env_texts(resolve_envs(env_names), episodes, max_steps, options_by_env)
     # torch and transformers load here, not at import: every `stargym` command imports this module.
     from deploy.tiny_model import create_tiny_policy
 

@@ -67,8 +67,9 @@ def ensure_model(config: TrainConfig) -> None:
     # The vocabulary is built from the envs the run trains on: the smaller it is, the more often a
     # random policy names a valid action (single tokens), which is where learning starts.
     envs = [env.id for env in config.envs.mix] or [DEFAULT_FAMILY]
+    options = {env.id: env.options for env in config.envs.mix if env.options is not None}
     typer.echo(f"model {path} is missing: making the tiny policy from {', '.join(envs)}")
-    init_tiny_model(path, config.run.seed, envs, 100, 20)
+    init_tiny_model(path, config.run.seed, envs, 100, 20, options)
 
 
 def train_command(

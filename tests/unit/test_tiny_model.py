@@ -105,3 +105,11 @@ def test_babyai_vocabulary_covers_agentgyms_levels_not_only_the_default(tmp_path
     assert {"go to red ball 1", "drop"} <= set(actions)
     tokenizer = build_tokenizer(texts, actions)
     assert all(len(tokenizer.encode(action)) == 1 for action in actions)
+
+
+def test_a_runs_mix_options_choose_what_is_played() -> None:
+    """A run's tiny policy is made from what the run trains on (``ensure_model`` passes the mix's
+    options): GoToRedBall alone has no doors, so none of AgentGym's door actions are words of it."""
+    only = {"embodied/babyai": {"level": "BabyAI-GoToRedBall-v0"}}
+    _, actions = collect_env_texts(resolve_envs(["embodied/babyai"]), EPISODES, MAX_STEPS, only)
+    assert "go to red ball 1" in actions and not any("door" in action for action in actions)
