@@ -1,7 +1,8 @@
 """Env server benchmark (``make bench``): HTTP steps/s, latency, client CPU and memory, against in-process.
 
-It starts a real env server (``python -m deploy env serve game``) as a subprocess and drives it
-from this process through :class:`services.env_client.EnvClient`, as a rollout worker does:
+``--family game`` (and ``all``, the default) starts a real env server (``python -m deploy env serve
+game``) as a subprocess and drives it from this process through
+:class:`services.env_client.EnvClient`, as a rollout worker does:
 
 * in-process: the same env stepped in a plain loop, and through the host's ``InstancePool``
   (locks and bookkeeping, no HTTP), as the ceiling HTTP is compared with;
@@ -14,12 +15,28 @@ from this process through :class:`services.env_client.EnvClient`, as a rollout w
 Client and server share this machine's cores (2 here), so every HTTP number includes the
 client's cost; client CPU per step is this process's CPU time over the steps it made, server CPU
 per step is read from ``/proc/PID/stat``. Results go to ``bench/results/env_server.json``.
+
+``--family embodied`` (and ``all``) serves ``embodied`` (BabyAI and ScienceWorld on one server),
+its SciWorld JVM pool sized for one JVM per client, and measures each env against the same env in
+this process (ScienceWorld on a private pool of one JVM):
+
+* reset and step latency, one client: resets over a fixed list of seeds; steps of random valid
+  actions from ``available_actions`` (re-read after every step, as a rollout worker does),
+  finished episodes reset; for SciWorld also a reset on a fresh JVM (an instance's create on an
+  empty pool slot) and steps without action hints (a fixed list of cheap actions);
+* steps/s at 16 clients, each an instance of its own, playing the same way;
+* the JVM pool under load: 32 concurrent SciWorld episodes on a second server whose pool holds 4
+  JVMs: all finish, wall time, the wait of each create, java processes during and after, 429s.
+
+A JVM is a child of the server, so the server's CPU per step includes its JVMs'. Results go to
+``bench/results/env_server_embodied.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -31,6 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,13 +58,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from env_server.core import Env  # noqa: E402
-from services.env_client import EnvClient  # noqa: E402
+from services.env_client import EnvClient, EnvServerError  # noqa: E402
 
 PREFERRED_ENV = "game/frozenlake"
 FALLBACK_ENV = "game/bandit"
 ENV_PATHS = {
     "game/frozenlake": "env_server.envs.game.frozenlake:FrozenLakeEnv",
     "game/bandit": "env_server.envs.game.bandit:BanditEnv",
+    "embodied/babyai": "env_server.envs.embodied.babyai:BabyAIEnv",
+    "embodied/sciworld": "env_server.envs.embodied.sciworld:SciWorldEnv",
 }
 MAX_EPISODE_STEPS = 100  # a random walk that neither falls nor arrives is reset after this many
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -83,25 +103,36 @@ def load_env_class(env_id: str) -> type[Env]:
 
 
 def serve_args(env_id: str) -> list[str]:
-    """``env serve game`` when the whole family loads; else just the env under test, by path."""
+    """``env serve FAMILY`` (the env's) when the whole family loads; else just the env under test, by path."""
     from env_server.registry import EnvLoadError, load_family
 
+    family = env_id.partition("/")[0]
     try:
-        load_family("game")
+        load_family(family)
     except (EnvLoadError, ImportError):
         return ["--env", ENV_PATHS[env_id]]
-    return ["game"]
+    return [family]
 
 
 class EnvServerProcess:
-    """``python -m deploy env serve game`` on a free port, as a context manager."""
+    """``python -m deploy env serve FAMILY`` on a free port, as a context manager.
 
-    def __init__(self, env_id: str | None = None, max_instances: int = 20000, root: Path = REPO_ROOT) -> None:
+    ``environ``: variables added to the server's environment (``STARGYM_SCIWORLD_POOL_SIZE``).
+    """
+
+    def __init__(
+        self,
+        env_id: str | None = None,
+        max_instances: int = 20000,
+        root: Path = REPO_ROOT,
+        environ: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.max_instances = max_instances
         self.bench_env = env_id or pick_env()
+        self.environ = {**os.environ, **(environ or {})}
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> EnvServerProcess:
@@ -109,7 +140,9 @@ class EnvServerProcess:
         command = [sys.executable, "-m", "deploy", "env", "serve", *serve_args(self.bench_env)]
         command += ["--port", str(self.port), "--max-instances", str(self.max_instances)]
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=self.environ
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -131,10 +164,26 @@ class EnvServerProcess:
         raise RuntimeError("no VmRSS in /proc status")
 
     def cpu_seconds(self) -> float:
-        """User plus system CPU time the server process has used so far."""
+        """User plus system CPU time the server process and its live children (JVMs) have used so far."""
         assert self.process is not None
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        stats = [proc_stat(self.process.pid), *self.children().values()]
+        return sum(int(fields[11]) + int(fields[12]) for _, fields in stats if fields) / CLK_TCK
+
+    def children(self) -> dict[int, tuple[str, list[str]]]:
+        """The server's live (not zombie) child processes by pid: name and ``/proc/PID/stat`` fields.
+
+        A child is listed under the thread that started it, and JVMs start on worker threads.
+        """
+        assert self.process is not None
+        pids: set[int] = set()
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                pids.update(int(pid) for pid in (task / "children").read_text().split())
+        stats = {pid: proc_stat(pid) for pid in pids}
+        return {pid: stat for pid, stat in stats.items() if stat[1] and stat[1][0] != "Z"}
+
+    def java_processes(self) -> set[int]:
+        return {pid for pid, (name, _) in self.children().items() if name == "java"}
 
     def __exit__(self, *exc_info: object) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -146,6 +195,15 @@ class EnvServerProcess:
                 self.process.wait()
         if self.process is not None:
             self.log_path.unlink(missing_ok=True)
+
+
+def proc_stat(pid: int) -> tuple[str, list[str]]:
+    """A process's name and the fields of ``/proc/PID/stat`` after it (state first); none once it is gone."""
+    try:
+        head, _, tail = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    except OSError:
+        return "", []
+    return head.partition("(")[2], tail.split()
 
 
 def machine_busy_seconds() -> float:
@@ -261,27 +319,61 @@ async def bench_in_process_pool(env_class: type[Env], seconds: float) -> dict[st
 # -- over HTTP -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How a client plays: the instance's options, when an episode is cut short, and its actions.
+
+    ``actions`` given: random ones of that list. Otherwise random ones of ``available_actions``,
+    read once (``refresh`` False: the game envs' action sets do not change) or after every step.
+    """
+
+    options: dict[str, Any] | None = None
+    max_steps: int = MAX_EPISODE_STEPS
+    actions: tuple[str, ...] | None = None
+    refresh: bool = False
+
+
 @dataclass
 class Episode:
-    """One instance a client task plays: its id, its action set and its own RNG."""
+    """One instance a client task plays: its id, its action set, its own RNG and how it plays."""
 
     instance_id: str
     actions: list[str]
     rng: random.Random
     seed: int
+    policy: Policy = Policy()
+    create_s: float = 0.0  # how long its create took
     steps: int = 0
 
 
-async def make_episodes(client: EnvClient, env_id: str, count: int, first_seed: int) -> list[Episode]:
-    semaphore = asyncio.Semaphore(64)
+async def make_episodes(
+    client: EnvClient,
+    env_id: str,
+    count: int,
+    first_seed: int,
+    policy: Policy = Policy(),
+    parallel: int = 64,
+) -> list[Episode]:
+    """``count`` instances, created ``parallel`` at a time."""
+    semaphore = asyncio.Semaphore(parallel)
 
     async def one(seed: int) -> Episode:
         async with semaphore:
-            created = await client.create(env_id, seed=seed)
-            actions = await client.available_actions(created.instance_id) or ["noop"]
-        return Episode(created.instance_id, actions, random.Random(seed), seed)
+            started = time.perf_counter()
+            created = await client.create(env_id, seed=seed, options=policy.options)
+            create_s = time.perf_counter() - started
+            episode = Episode(created.instance_id, [], random.Random(seed), seed, policy, create_s)
+            await read_actions(client, episode)
+        return episode
 
     return list(await asyncio.gather(*(one(first_seed + i) for i in range(count))))
+
+
+async def read_actions(client: EnvClient, episode: Episode) -> None:
+    fixed = episode.policy.actions
+    episode.actions = (
+        list(fixed) if fixed else await client.available_actions(episode.instance_id) or ["noop"]
+    )
 
 
 async def close_episodes(client: EnvClient, episodes: list[Episode]) -> None:
@@ -298,12 +390,14 @@ async def restart(client: EnvClient, episode: Episode) -> None:
     episode.seed += 100_003
     episode.steps = 0
     await client.reset(episode.instance_id, seed=episode.seed)
+    if episode.policy.refresh:
+        await read_actions(client, episode)
 
 
 async def bench_single(
-    client: EnvClient, server: EnvServerProcess, env_id: str, concurrency: int, seconds: float
+    client: EnvClient, server: EnvServerProcess, episodes: list[Episode], seconds: float
 ) -> dict[str, float]:
-    episodes = await make_episodes(client, env_id, concurrency, first_seed=concurrency * 1000)
+    """Each episode a client task stepping its instance; the episodes are closed at the end."""
     window = Window(server)
     stop_at = 0.0
 
@@ -317,8 +411,10 @@ async def bench_single(
                 window.latencies.append(time.perf_counter() - started)
                 window.steps += 1
             episode.steps += 1
-            if result.done or episode.steps >= MAX_EPISODE_STEPS:
+            if result.done or episode.steps >= episode.policy.max_steps:
                 await restart(client, episode)
+            elif episode.policy.refresh:
+                await read_actions(client, episode)
 
     stop_at = time.perf_counter() + min(1.0, seconds / 3)  # warm-up: connections open, code hot
     await asyncio.gather(*(play(e) for e in episodes))
@@ -327,7 +423,7 @@ async def bench_single(
     await asyncio.gather(*(play(e) for e in episodes))
     result = window.stop()
     await close_episodes(client, episodes)
-    return {"concurrency": concurrency, **result}
+    return {"concurrency": len(episodes), **result}
 
 
 async def bench_batched(
@@ -429,7 +525,8 @@ async def run(args: argparse.Namespace, server: EnvServerProcess, env_class: typ
         results["memory"] = await bench_memory(client, server, env_id, args.instances)
         print_memory(results["memory"])
         for concurrency in args.concurrency:
-            results["single"].append(await bench_single(client, server, env_id, concurrency, args.seconds))
+            episodes = await make_episodes(client, env_id, concurrency, first_seed=concurrency * 1000)
+            results["single"].append(await bench_single(client, server, episodes, args.seconds))
             print_row("single", results["single"][-1])
         for batch_size in args.batch_sizes:
             results["batched"].append(await bench_batched(client, server, env_id, batch_size, args.seconds))
@@ -532,19 +629,373 @@ def render(results: dict[str, Any]) -> None:
     console.print(targets)
 
 
+# -- embodied --------------------------------------------------------------------------------
+
+EMBODIED_ENVS = ("embodied/babyai", "embodied/sciworld")
+EMBODIED_OPTIONS: dict[str, dict[str, Any]] = {
+    # AgentGym's 40 levels, the GPU recipe's mix: the seed picks the level and its layout, so a
+    # reset builds a new minigrid env whenever the level changes, as in training.
+    "embodied/babyai": {"level": "agentgym"},
+    # The seed picks one of the 30 tasks; action hints on (the default), as a policy that chooses
+    # from available_actions needs.
+    "embodied/sciworld": {},
+}
+RESET_SAMPLES = {"embodied/babyai": 100, "embodied/sciworld": 20}
+# Valid anywhere, and neither scoring nor ending an episode (checked: 40 of them in each of the 30
+# tasks): the steps without action hints play these, so that they differ from the steps with
+# hints by the hints alone.
+SCIWORLD_FIXED_ACTIONS = ("look around", "inventory", "task", "wait1")
+# A JVM starts in ~1 s and takes ~0.5 GB: three fresh starts in-process are enough to compare with.
+FRESH_JVM_SAMPLES_IN_PROCESS = 3
+# The pool run's episodes: AgentGym-RL's first SciWorld horizon (10/20/30 turns).
+POOL_EPISODE_TURNS = 10
+
+
+def latency(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    return {
+        "n": len(ordered),
+        "p50_ms": 1000 * percentile(ordered, 0.50),
+        "p99_ms": 1000 * percentile(ordered, 0.99),
+    }
+
+
+def compared(in_process: dict[str, float], http: dict[str, float]) -> dict[str, Any]:
+    """A latency in-process and over HTTP; the ratio of their medians."""
+    return {"in_process": in_process, "http": http, "ratio_p50": http["p50_ms"] / in_process["p50_ms"]}
+
+
+@contextlib.contextmanager
+def in_process_env(env_id: str) -> Iterator[Env]:
+    """The env in this process; SciWorld on a private pool of one JVM, ended on exit."""
+    env_class = load_env_class(env_id)
+    if env_id != "embodied/sciworld":
+        env = env_class()
+        try:
+            yield env
+        finally:
+            env.close()
+        return
+    from env_server.envs.embodied.jvm_pool import JvmPool, JvmPoolSettings
+
+    pool = JvmPool(JvmPoolSettings(pool_size=1))
+    env = env_class(pool)
+    try:
+        yield env
+    finally:
+        env.close()
+        pool.shutdown()
+
+
+def resets_in_process(env: Env, options: dict[str, Any], seeds: range) -> list[float]:
+    parsed = env.Options.model_validate(options)
+    seconds = []
+    for seed in seeds:
+        started = time.perf_counter()
+        env.reset(seed, parsed)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def fresh_jvm_resets_in_process(options: dict[str, Any], seeds: range) -> list[float]:
+    """Each reset on a new pool: its lease starts a JVM, then loads the task, as a create on an empty slot."""
+    seconds = []
+    for seed in seeds:
+        with in_process_env("embodied/sciworld") as env:
+            seconds += resets_in_process(env, options, range(seed, seed + 1))
+    return seconds
+
+
+def play_in_process(env: Env, policy: Policy, seconds: float) -> dict[str, float]:
+    """One client's play (see :class:`Policy`) without HTTP: step latencies, and steps/s with the
+    resets of finished episodes in the wall time, as :func:`bench_single` measures over HTTP."""
+    options, rng, seed = env.Options.model_validate(policy.options or {}), random.Random(0), 0
+    env.reset(seed, options)
+    latencies: list[float] = []
+    episode_steps = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        actions = policy.actions or env.available_actions() or ["noop"]
+        before = time.perf_counter()
+        result = env.step(rng.choice(actions))
+        latencies.append(time.perf_counter() - before)
+        episode_steps += 1
+        if result.done or episode_steps >= policy.max_steps:
+            seed += 100_003
+            env.reset(seed, options)
+            episode_steps = 0
+    return {
+        "steps": len(latencies),
+        "steps_per_s": len(latencies) / (time.perf_counter() - started),
+    } | latency(latencies)
+
+
+async def resets_over_http(client: EnvClient, instance_id: str, seeds: range) -> list[float]:
+    seconds = []
+    for seed in seeds:
+        started = time.perf_counter()
+        await client.reset(instance_id, seed=seed)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+async def bench_embodied_env(
+    client: EnvClient, server: EnvServerProcess, env_id: str, clients: int, seconds: float
+) -> dict[str, Any]:
+    """Latencies and steps/s of one embodied env, in-process and over HTTP."""
+    options = EMBODIED_OPTIONS[env_id]
+    sciworld = env_id == "embodied/sciworld"
+    policy = Policy(options, load_env_class(env_id).default_max_turns, refresh=True)
+    seeds = range(RESET_SAMPLES[env_id])
+    results: dict[str, Any] = {"options": options, "max_turns": policy.max_steps}
+    print(f"  {env_id}: {clients} instances", flush=True)
+    # Created one at a time on the server's empty JVM pool: each create starts a JVM.
+    episodes = await make_episodes(client, env_id, clients, 1000, policy, parallel=1 if sciworld else 64)
+    fresh_http = [episode.create_s for episode in episodes]
+    # Each of these JVMs has answered one reset and JIT-compiles the simulator on its own, so a
+    # step costs them more CPU than the warm JVM of the one-client runs: in a probe, SciWorld's
+    # server CPU per step at 16 clients fell from 129 to 111 to 93 ms over three 6 s windows.
+    results["clients"] = await bench_single(client, server, episodes, seconds)
+    print(f"  {env_id}: in-process", flush=True)
+    with in_process_env(env_id) as env:
+        resets_in_process(env, options, range(1))  # SciWorld's JVM starts here, as a create's does
+        reset_in_process = latency(resets_in_process(env, options, seeds))
+        step_in_process = play_in_process(env, policy, seconds)
+        if sciworld:
+            fixed = Policy({**options, "action_hints": False}, policy.max_steps, SCIWORLD_FIXED_ACTIONS)
+            fixed_in_process = play_in_process(env, fixed, seconds)
+    print(f"  {env_id}: one client over HTTP", flush=True)
+    (episode,) = await make_episodes(client, env_id, 1, 0, policy)
+    reset_http = latency(await resets_over_http(client, episode.instance_id, seeds))
+    step_http = await bench_single(client, server, [episode], seconds)
+    results["reset"] = compared(reset_in_process, reset_http)
+    results["step"] = compared(step_in_process, step_http)
+    results["in_process_steps_per_s"] = step_in_process["steps_per_s"]
+    for row in (step_http, results["clients"]):
+        row["ratio_to_in_process"] = row["steps_per_s"] / step_in_process["steps_per_s"]
+    if sciworld:
+        fresh_in_process = fresh_jvm_resets_in_process(options, range(FRESH_JVM_SAMPLES_IN_PROCESS))
+        results["reset_fresh_jvm"] = compared(latency(fresh_in_process), latency(fresh_http))
+        episodes = await make_episodes(client, env_id, 1, 0, fixed)
+        results["step_without_hints"] = compared(
+            fixed_in_process, await bench_single(client, server, episodes, seconds)
+        )
+    return results
+
+
+async def bench_jvm_pool(
+    client: EnvClient, server: EnvServerProcess, instances: int, pool_size: int
+) -> dict[str, Any]:
+    """``instances`` concurrent SciWorld episodes of random valid actions on a pool of ``pool_size`` JVMs.
+
+    A create waits for a free JVM; a 429 (no JVM came free within the server's acquire deadline)
+    is counted and the create sent again. Each create's wait is its latency minus a reset of the
+    same task on the JVM it got, which is warm by then: the time it queued, or for the creates
+    that found an empty slot, their JVM's start.
+    """
+    env_id = "embodied/sciworld"
+    options = EMBODIED_OPTIONS[env_id]
+    seen: list[set[int]] = []
+    refused = 0
+    finished = asyncio.Event()
+
+    async def sample() -> None:
+        while not finished.is_set():
+            seen.append(server.java_processes())
+            await asyncio.sleep(0.05)
+
+    async def episode(seed: int) -> tuple[float, float, int]:
+        nonlocal refused
+        started = time.perf_counter()
+        while True:
+            try:
+                created = await client.create(env_id, seed=seed, options=options)
+                break
+            except EnvServerError as error:
+                if error.status != 429:
+                    raise
+                refused += 1
+        create_s = time.perf_counter() - started
+        instance_id, rng = created.instance_id, random.Random(seed)
+        load_s = (await resets_over_http(client, instance_id, range(seed, seed + 1)))[0]
+        turns, done = 0, False
+        while turns < POOL_EPISODE_TURNS and not done:
+            actions = await client.available_actions(instance_id) or ["look around"]
+            done = (await client.step(instance_id, rng.choice(actions))).done
+            turns += 1
+        await client.close(instance_id)
+        return create_s, max(0.0, create_s - load_s), turns
+
+    sampler = asyncio.create_task(sample())
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(*(episode(seed) for seed in range(instances)), return_exceptions=True)
+    wall = time.perf_counter() - started
+    finished.set()
+    await sampler
+    done = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+    errors = [repr(outcome) for outcome in outcomes if isinstance(outcome, BaseException)]
+    after = server.java_processes()
+    return {
+        "instances": instances,
+        "pool_size": pool_size,
+        "episode_turns": POOL_EPISODE_TURNS,
+        "finished": len(done),
+        "errors": errors[:5],
+        "wall_s": wall,
+        "steps": sum(turns for _, _, turns in done),
+        "create_ms": latency([create_s for create_s, _, _ in done]),
+        "create_max_ms": 1000 * max((create_s for create_s, _, _ in done), default=float("nan")),
+        "wait_ms": latency([wait_s for _, wait_s, _ in done]),
+        "wait_max_ms": 1000 * max((wait_s for _, wait_s, _ in done), default=float("nan")),
+        "java_processes_max": max(map(len, seen), default=0),
+        "java_pids_seen": len(set().union(*seen)),
+        "java_processes_after": len(after),
+        "refused_429": refused,
+        "ok": len(done) == instances
+        and max(map(len, seen), default=0) <= pool_size
+        and len(after) == pool_size,
+    }
+
+
+async def run_embodied(args: argparse.Namespace) -> dict[str, Any]:
+    """The two envs on a server whose pool has a JVM per client, then the pool run on a server of its own."""
+    results: dict[str, Any] = {}
+    pool_for_clients = {"STARGYM_SCIWORLD_POOL_SIZE": str(args.embodied_clients)}
+    with EnvServerProcess(
+        EMBODIED_ENVS[1], root=args.server_root.resolve(), environ=pool_for_clients
+    ) as server:
+        print(f"benchmarking the embodied envs on {server.url} ({args.seconds:g} s per configuration)")
+        async with EnvClient(server.url, timeout=120.0) as client:
+            for env_id in EMBODIED_ENVS:
+                results[env_id] = await bench_embodied_env(
+                    client, server, env_id, args.embodied_clients, args.seconds
+                )
+    pool = {"STARGYM_SCIWORLD_POOL_SIZE": str(args.pool_size)}
+    with EnvServerProcess(EMBODIED_ENVS[1], root=args.server_root.resolve(), environ=pool) as server:
+        print(f"  JVM pool: {args.pool_instances} SciWorld episodes on {args.pool_size} JVMs", flush=True)
+        async with EnvClient(server.url, timeout=120.0) as client:
+            results["jvm_pool"] = await bench_jvm_pool(client, server, args.pool_instances, args.pool_size)
+    return results
+
+
+def render_embodied(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    cores = results["machine"]["cpus"]
+    table = Table(
+        title=f"embodied envs: latency over HTTP against in-process, one client, {cores} cores",
+        caption="reset: one instance, the same seeds in-process and over HTTP; step: random valid actions "
+        "from available_actions (read after every step), finished episodes reset; SciWorld fresh JVM: a "
+        "create on an empty pool slot (JVM start + reset); without hints: a fixed list of cheap actions",
+    )
+    for column in (
+        "env",
+        "call",
+        "n (HTTP)",
+        "in-process p50 ms",
+        "p99 ms",
+        "HTTP p50 ms",
+        "p99 ms",
+        "× in-process",
+    ):
+        table.add_column(column, justify="left" if column in ("env", "call") else "right")
+    rows = [("reset", "reset"), ("reset_fresh_jvm", "reset, fresh JVM"), ("step", "step")]
+    rows.append(("step_without_hints", "step, no action hints"))
+    for env_id in EMBODIED_ENVS:
+        for key, call in rows:
+            if key not in results[env_id]:
+                continue
+            row = results[env_id][key]
+            table.add_row(
+                env_id,
+                call,
+                str(row["http"].get("n", row["http"].get("steps"))),
+                f"{row['in_process']['p50_ms']:.2f}",
+                f"{row['in_process']['p99_ms']:.2f}",
+                f"{row['http']['p50_ms']:.2f}",
+                f"{row['http']['p99_ms']:.2f}",
+                f"{row['ratio_p50']:.2f}",
+            )
+    console.print(table)
+    clients = Table(title="embodied envs: steps/s, one instance per client (server CPU includes its JVMs)")
+    columns = ["env", "clients", "steps/s", "× in-process", "p50 ms", "p99 ms", "client CPU ms/step"]
+    for column in [*columns, "server CPU ms/step", "other procs (cores)"]:
+        clients.add_column(column, justify="left" if column == "env" else "right")
+    for env_id in EMBODIED_ENVS:
+        clients.add_row(env_id, "in-process", f"{results[env_id]['in_process_steps_per_s']:,.0f}", "1")
+        for row in (results[env_id]["step"]["http"], results[env_id]["clients"]):
+            clients.add_row(
+                env_id,
+                str(row["concurrency"]),
+                f"{row['steps_per_s']:,.1f}",
+                f"{row['ratio_to_in_process']:.3f}",
+                f"{row['p50_ms']:.2f}",
+                f"{row['p99_ms']:.2f}",
+                f"{row['client_cpu_ms_per_step']:.3f}",
+                f"{row['server_cpu_ms_per_step']:.3f}",
+                f"{row['other_processes_cores']:.1f}",
+            )
+    console.print(clients)
+    pool = results["jvm_pool"]
+    mark = "[green]" if pool["ok"] else "[red]"
+    console.print(
+        f"{mark}JVM pool: {pool['finished']}/{pool['instances']} SciWorld episodes (≤ {pool['episode_turns']} "
+        f"turns) finished on {pool['pool_size']} JVMs in {pool['wall_s']:.1f} s; create p50 "
+        f"{pool['create_ms']['p50_ms'] / 1000:.2f} s, max {pool['create_max_ms'] / 1000:.2f} s; wait for a JVM "
+        f"p50 {pool['wait_ms']['p50_ms'] / 1000:.2f} s, max {pool['wait_max_ms'] / 1000:.2f} s; java processes: "
+        f"at most {pool['java_processes_max']} during ({pool['java_pids_seen']} seen), {pool['java_processes_after']} "
+        f"after; {pool['refused_429']} × 429"
+    )
+    for error in pool["errors"]:
+        console.print(f"[red]  {error}")
+
+
+def bench_embodied(args: argparse.Namespace) -> int:
+    """``--family embodied``: run, print, write ``--embodied-out``; 1 with ``--check`` if the pool misbehaved."""
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    results = run_loop(run_embodied(args), args.uvloop)
+    results = {
+        "machine": machine(load_before),
+        "server_root": str(args.server_root.resolve()),
+        "seconds_per_configuration": args.seconds,
+        "seconds_in_all": round(time.perf_counter() - started, 1),
+        "ratio_note": "latency: HTTP p50 over in-process p50; steps/s: HTTP over one in-process client",
+        **results,
+    }
+    render_embodied(results)
+    write(args.embodied_out, results)
+    return 1 if args.check and not results["jvm_pool"]["ok"] else 0
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--env", choices=sorted(ENV_PATHS), help="Default: game/frozenlake (bandit if missing)."
+        "--family",
+        choices=["game", "embodied", "all"],
+        default="all",
+        help="The env family to benchmark (game: --env; embodied: BabyAI and ScienceWorld).",
+    )
+    parser.add_argument(
+        "--env",
+        choices=sorted(env for env in ENV_PATHS if env.startswith("game/")),
+        help="Default: game/frozenlake (bandit if missing).",
     )
     parser.add_argument("--seconds", type=float, default=4.0, help="Measured time per configuration.")
     parser.add_argument("--concurrency", type=_ints, default=[1, 16, 64, 256])
     parser.add_argument("--batch-sizes", type=_ints, default=[16, 64, 256, 1024])
     parser.add_argument("--instances", type=int, default=10_000, help="Live instances for the memory check.")
     parser.add_argument("--uvloop", action="store_true", help="Run the client on uvloop.")
-    parser.add_argument("--check", action="store_true", help="Exit 1 if a target is missed.")
+    parser.add_argument(
+        "--check", action="store_true", help="Exit 1 if a target is missed or the JVM pool misbehaved."
+    )
     parser.add_argument(
         "--server-root",
         type=Path,
@@ -552,6 +1003,16 @@ def parse_args() -> argparse.Namespace:
         help="Run the server from another checkout (a git worktree of an older commit) to compare.",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server.json")
+    parser.add_argument(
+        "--embodied-clients", type=int, default=16, help="Concurrent clients per embodied env."
+    )
+    parser.add_argument(
+        "--pool-instances", type=int, default=32, help="Concurrent SciWorld episodes on the pool."
+    )
+    parser.add_argument("--pool-size", type=int, default=4, help="JVMs in the pool they share.")
+    parser.add_argument(
+        "--embodied-out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server_embodied.json"
+    )
     return parser.parse_args()
 
 
@@ -559,8 +1020,32 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
-def main() -> int:
-    args = parse_args()
+def run_loop(main: Any, uvloop: bool) -> Any:
+    """Run a coroutine on asyncio's loop or (``--uvloop``) uvloop's."""
+    if uvloop:
+        import uvloop as uvloop_module
+
+        return uvloop_module.run(main)
+    return asyncio.run(main)
+
+
+def machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def write(out: Path, results: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out}")
+
+
+def bench_game(args: argparse.Namespace) -> int:
+    """``--family game``: run, print, write ``--out``; 1 with ``--check`` if a target is missed."""
     import aiohttp
 
     load_before = os.getloadavg()
@@ -568,23 +1053,13 @@ def main() -> int:
     with EnvServerProcess(args.env, max_instances, args.server_root.resolve()) as server:
         env_class = load_env_class(server.bench_env)
         print(f"benchmarking {server.bench_env} on {server.url} ({args.seconds:g} s per configuration)")
-        if args.uvloop:
-            import uvloop
-
-            results = uvloop.run(run(args, server, env_class))
-        else:
-            results = asyncio.run(run(args, server, env_class))
+        results = run_loop(run(args, server, env_class), args.uvloop)
     in_process = results["in_process"]["steps_per_s"]
     for row in results["single"] + results["batched"]:
         row["ratio_to_in_process"] = row["steps_per_s"] / in_process
     results = {
         "env": server.bench_env,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(load_before),
         "client": {
             "library": f"aiohttp {aiohttp.__version__}",
             "loop": "uvloop" if args.uvloop else "asyncio",
@@ -596,11 +1071,17 @@ def main() -> int:
     }
     results["targets"] = check_targets(results)
     render(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(REPO_ROOT) if args.out.is_relative_to(REPO_ROOT) else args.out}")
+    write(args.out, results)
     missed = [name for name, check in results["targets"].items() if check["met"] is False]
     return 1 if args.check and missed else 0
+
+
+def main() -> int:
+    args = parse_args()
+    failed = bench_game(args) if args.family in ("game", "all") else 0
+    if args.family in ("embodied", "all"):
+        failed |= bench_embodied(args)
+    return failed
 
 
 if __name__ == "__main__":
