@@ -20,10 +20,17 @@ it, so ids are the native API's UUIDs and both route sets can drive one instance
 another env's instance is unknown here (404). Errors keep
 our real status codes and ``{"error": {...}}`` body where AgentGym answers 200 with
 ``{"error": "..."}``: its clients assert a 200 either way.
+
+AgentGym's SearchQA server speaks another dialect (``Env.agentgym_dialect = "env_idx"``): its
+client sends ``/create {"id": 0}`` and keeps the bare JSON answer as its ``env_idx``, which it then
+puts in every body (``/step {"env_idx", "action"}``, ``/reset {"env_idx", "id"}`` with the task
+index as ``id``, ``/close {"env_idx"}``) and query (``GET /observation?env_idx=``); ``/reset``
+answers the bare observation string and ``/step`` ``{"observation", "reward", "done", "info"}``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
@@ -35,6 +42,11 @@ from services.env_protocol import (
     AgentGymClose,
     AgentGymCreate,
     AgentGymCreated,
+    AgentGymIndexedClose,
+    AgentGymIndexedCreate,
+    AgentGymIndexedReset,
+    AgentGymIndexedStep,
+    AgentGymIndexedStepResult,
     AgentGymReset,
     AgentGymResetResult,
     AgentGymStep,
@@ -47,15 +59,29 @@ CREATE_SEED = 0
 
 
 def agentgym_router(env_id: str, env_class: type[Env]) -> APIRouter:
-    """The AgentGym route set for one env; mount it with prefix ``/agentgym/<name>``."""
+    """The AgentGym route set for one env, in its dialect; mount it with prefix ``/agentgym/<name>``."""
     router = APIRouter(tags=[f"agentgym: {env_class.name}"])
+    if env_class.agentgym_dialect == "env_idx":
+        _add_env_idx_routes(router, env_id, env_class)
+    else:
+        _add_id_routes(router, env_id, env_class)
+    return router
 
+
+def _owner(env_id: str) -> Callable[[InstancePool, str], Instance]:
     def own(pool: InstancePool, instance_id: str) -> Instance:
         """The instance, if it is one of this env's: a TextCraft client must not drive a bandit."""
         instance = pool.get(instance_id)
         if instance.env_id != env_id:
             raise not_found(f"{env_id} instance", instance_id)
         return instance
+
+    return own
+
+
+def _add_id_routes(router: APIRouter, env_id: str, env_class: type[Env]) -> None:
+    """TextCraft's, BabyAI's and SciWorld's dialect: the instance is ``id``."""
+    own = _owner(env_id)
 
     @router.post("/create", response_model=AgentGymCreated)
     async def create(pool: PoolDep, body: Annotated[AgentGymCreate | None, Body()] = None) -> AgentGymCreated:
@@ -95,4 +121,37 @@ def agentgym_router(env_id: str, env_class: type[Env]) -> APIRouter:
         await pool.close(body.id)
         return True
 
-    return router
+
+def _add_env_idx_routes(router: APIRouter, env_id: str, env_class: type[Env]) -> None:
+    """SearchQA's dialect: the instance is ``env_idx``; /create and /reset answer bare strings."""
+    own = _owner(env_id)
+
+    @router.post("/create", response_model=str)
+    async def create(pool: PoolDep, body: Annotated[AgentGymIndexedCreate | None, Body()] = None) -> str:
+        instance, _ = await pool.create(env_id, CREATE_SEED, None)
+        return instance.instance_id
+
+    @router.post("/reset", response_model=str)
+    async def reset(body: AgentGymIndexedReset, pool: PoolDep) -> str:
+        own(pool, body.env_idx)
+        seed, options = env_class.agentgym_task(body.id)
+        observed = await pool.reset(body.env_idx, seed, options)
+        return observed.observation
+
+    @router.post("/step", response_model=AgentGymIndexedStepResult)
+    async def step(body: AgentGymIndexedStep, pool: PoolDep) -> AgentGymIndexedStepResult:
+        own(pool, body.env_idx)
+        result = await pool.step(body.env_idx, body.action)
+        return AgentGymIndexedStepResult(
+            observation=result.observation, reward=result.reward, done=result.done, info=result.info
+        )
+
+    @router.get("/observation", response_model=str)
+    async def observation(pool: PoolDep, env_idx: Annotated[str, Query()]) -> str:
+        return own(pool, env_idx).observation
+
+    @router.post("/close", response_model=bool)
+    async def close(body: AgentGymIndexedClose, pool: PoolDep) -> bool:
+        own(pool, body.env_idx)
+        await pool.close(body.env_idx)
+        return True

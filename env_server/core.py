@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -65,6 +65,9 @@ class Env(abc.ABC):
     default_max_turns: ClassVar[int]
     reward_range: ClassVar[tuple[float, float]]
     Options: ClassVar[type[BaseModel]] = NoOptions
+    # The AgentGym client dialect served at /agentgym/<name>/ (env_server/agentgym.py): "id" for
+    # TextCraft-, BabyAI- and SciWorld-style clients, "env_idx" for SearchQA's.
+    agentgym_dialect: ClassVar[Literal["id", "env_idx"]] = "id"
     # What `stargym model init` plays (each option set for its number of seeds) so the tiny policy's
     # vocabulary covers what a policy of this env will read and say; default: the default options.
     vocabulary_options: ClassVar[tuple[dict[str, Any], ...]] = ({},)
@@ -104,6 +107,12 @@ class Env(abc.ABC):
     def available_actions(self) -> list[str] | None:
         """The actions valid now, or None when the action space is open text."""
         return None
+
+    @classmethod  # noqa: B027 - optional hook, most envs share nothing
+    def prepare(cls) -> None:
+        """Load what the class's instances share (a corpus and its index) before the server
+        listens: a bad setting then stops the server with its message, instead of failing every
+        create, and the first create is not the slow one. May raise :class:`EnvFailure`."""
 
     @classmethod  # noqa: B027 - optional hook, most envs share nothing
     def shutdown(cls) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
 import uvicorn
 
 from env_server.app import build_app
+from env_server.core import EnvFailure
 from env_server.registry import EnvLoadError, load_envs
 from services.contracts import FAMILY_PORTS
 from services.settings import EnvServerSettings
@@ -25,9 +28,21 @@ def serve_command(
     ] = None,
     max_instances: Annotated[int | None, typer.Option(help="Instance limit [STARGYM_MAX_INSTANCES].")] = None,
     instance_ttl_s: Annotated[float | None, typer.Option(help="Idle TTL [STARGYM_INSTANCE_TTL_S].")] = None,
+    corpus: Annotated[
+        Path | None,
+        typer.Option(help="search: your passages, JSONL of {id, title, text} [STARGYM_SEARCH_CORPUS]."),
+    ] = None,
+    questions: Annotated[
+        Path | None,
+        typer.Option(help="search: your questions, JSONL of {question, answers} [STARGYM_SEARCH_QUESTIONS]."),
+    ] = None,
 ) -> None:
     """Serve env families (and single env classes) over HTTP."""
     families = families or []
+    # The search family reads its data settings from the environment (SearchSettings).
+    for variable, path in (("STARGYM_SEARCH_CORPUS", corpus), ("STARGYM_SEARCH_QUESTIONS", questions)):
+        if path is not None:
+            os.environ[variable] = str(path)
     overrides = {
         "host": host,
         "port": port,
@@ -41,6 +56,12 @@ def serve_command(
         env_classes = load_envs(families, env or [])
     except EnvLoadError as exc:
         raise typer.BadParameter(str(exc)) from None
+    for env_id, env_class in env_classes.items():
+        try:
+            env_class.prepare()
+        except EnvFailure as exc:
+            typer.echo(f"cannot serve {env_id}: {exc}", err=True)
+            raise typer.Exit(2) from None
     uvicorn.run(
         build_app(env_classes, settings),
         host=settings.host,

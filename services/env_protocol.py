@@ -193,3 +193,35 @@ class AgentGymResetResult(BaseModel):
     score: float = 0.0
     done: bool = False
     task_description: str = ""
+
+
+# -- AgentGym's env_idx dialect (its SearchQA server and client) ---------------------------------
+
+
+class AgentGymIndexedCreate(BaseModel):
+    """SearchQA's /create body: ``{"id": 0}``, a number it never uses again."""
+
+    id: int = 0
+
+
+class AgentGymIndexedStep(BaseModel):
+    env_idx: str
+    action: str
+
+
+class AgentGymIndexedReset(BaseModel):
+    env_idx: str
+    id: Seed = Field(default=0, description="The task (AgentGym's data_idx).")
+
+
+class AgentGymIndexedClose(BaseModel):
+    env_idx: str
+
+
+class AgentGymIndexedStepResult(BaseModel):
+    """SearchQA's step answer; its client reads the first three."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] | None = None
