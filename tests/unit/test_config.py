@@ -34,6 +34,7 @@ def test_the_expected_recipes_exist() -> None:
         "babyai-tiny",
         "babyai-qwen2.5-7b-gpu",
         "sciworld-qwen2.5-7b-gpu",
+        "searchqa-qwen2.5-7b-gpu",
     } <= names
 
 
@@ -78,6 +79,9 @@ def test_recipes_say_what_the_issue_says() -> None:
     assert (sciworld.rollout.group_size, sciworld.rollout.groups_per_batch) == (8, 16)
     assert babyai.envs.mix[0].options == {"level": "agentgym"}  # AgentGym's 40 levels
     assert by_name["babyai-tiny"].envs.mix[0].id == "embodied/babyai"
+    searchqa = by_name["searchqa-qwen2.5-7b-gpu"]  # SearchQA 5/8/10
+    assert searchqa.curriculum.horizon_schedule == [(0, 5), (100, 8), (200, 10)]
+    assert (searchqa.rollout.group_size, searchqa.rollout.groups_per_batch) == (4, 32)
     sokoban = by_name["sokoban-qwen2.5-0.5b-gpu"]
     assert sokoban.preset == "starpo_s" and sokoban.starpo_s.filter.enabled
     assert (sokoban.rollout.groups_per_batch, sokoban.rollout.group_size) == (8, 16)
