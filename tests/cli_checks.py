@@ -10,6 +10,7 @@ settings classes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from pydantic_settings import BaseSettings
 from deploy import cli
 from deploy.train import load_train_config
 from env_server.envs.embodied.jvm_pool import JvmPoolSettings
+from env_server.envs.search.facts import cache_root
+from env_server.envs.search.searchqa import SearchSettings
 from rollout_server.engine.settings import EngineSettings
 from rollout_server.settings import WorkerSettings
 from services.contracts import ENGINE_PORT, FAMILY_PORTS, ROLLOUT_PORT, TRAINER_PORT
@@ -47,7 +50,13 @@ SUBCOMMAND_SETTINGS: dict[tuple[str, ...], type[BaseSettings]] = {
 
 
 # Settings an env family's own code reads from its env server's environment, besides the host's.
-FAMILY_SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {"embodied": (JvmPoolSettings,)}
+FAMILY_SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
+    "embodied": (JvmPoolSettings,),
+    "search": (SearchSettings,),
+}
+# Variables an env family's code reads from os.environ itself, not through a settings class, and
+# the function that reads each: given the variable, it must return the value.
+FAMILY_VARIABLES: dict[str, dict[str, Callable[[], object]]] = {"search": {"STARGYM_CACHE_DIR": cache_root}}
 
 # What the embodied env server's memory limit must hold, measured: the Python server was 310 MiB
 # resident after five ScienceWorld gold paths; a JVM with all of its heap committed
@@ -118,11 +127,19 @@ def load_service_settings(
 
     A variable with a family class's ``env_prefix`` goes to that class (``STARGYM_SCIWORLD_POOL_SIZE``
     to the JVM pool's), any other to the service's (``STARGYM_API_TOKEN``, ``REDIS_URL``), and
-    :func:`load_settings` checks it there.
+    :func:`load_settings` checks it there. One of a family's :data:`FAMILY_VARIABLES` must be what
+    its reader returns when it is set (``STARGYM_CACHE_DIR`` for the search family).
     """
     classes = settings_classes(path, params)
     shares: dict[type[BaseSettings], dict[str, str]] = {cls: {} for cls in classes}
+    families = params["families"] if path == ("env", "serve") else []
+    readers = {var: read for family in families for var, read in FAMILY_VARIABLES.get(family, {}).items()}
     for var, value in environment.items():
+        if var in readers:
+            with monkeypatch.context() as patch:
+                patch.setenv(var, value)
+                assert str(readers[var]()) == value, f"{where}: {var}={value!r} reads {readers[var]()!r}"
+            continue
         owner = next((cls for cls in classes[1:] if var.upper().startswith(_prefix(cls))), classes[0])
         shares[owner][var] = value
     found = []

@@ -7,11 +7,12 @@ proves, in the order a user meets it:
 
 * the images build from the compose file's ``build`` sections (cached between runs: podman reuses
   layers whose inputs did not change), the embodied env server's with Java;
-* redis, env-game, env-embodied, trainer-cpu, engine and rollout-cpu come up healthy. podman 4.3
+* redis, env-game, env-embodied, env-search, trainer-cpu, engine and rollout-cpu come up healthy. podman 4.3
   ignores ``depends_on: condition: service_healthy``, so the test brings them up in dependency order
   and runs each container's own health check until it passes;
 * env instances are created and stepped through the published env ports: a FrozenLake game, a
-  BabyAI level and a ScienceWorld task (a JVM in the container);
+  BabyAI level, a ScienceWorld task (a JVM in the container) and a SearchQA question (the search
+  server's index, built in the container before it listens);
 * the trainer issues jobs, the worker plays them against the engine and env containers, and the
   trajectories come back through Redis: at least 3 updates;
 * the dashboard answers on its published port and sees the worker over the compose network;
@@ -161,6 +162,7 @@ def project() -> Iterator[ComposeProject]:
         "STARGYM_REDIS_IMAGE": REDIS_IMAGE,
         "STARGYM_ENV_GAME_PORT": str(free_port()),
         "STARGYM_ENV_EMBODIED_PORT": str(free_port()),
+        "STARGYM_ENV_SEARCH_PORT": str(free_port()),
         "STARGYM_DASHBOARD_PORT": str(free_port()),
         "STARGYM_LOG_LEVEL": "info",
     }
@@ -202,7 +204,7 @@ def play_one_step(project: ComposeProject, port_variable: str, create: dict, act
 
 def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> None:
     started = time.monotonic()
-    project.up("redis", "env-game", "env-embodied")
+    project.up("redis", "env-game", "env-embodied", "env-search")
     play_one_step(project, "STARGYM_ENV_GAME_PORT", {"env": "game/frozenlake", "seed": 3}, "down")
     embodied = "STARGYM_ENV_EMBODIED_PORT"
     first, step = play_one_step(project, embodied, {"env": "embodied/babyai", "seed": 3}, "turn left")
@@ -211,6 +213,12 @@ def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> N
     first, step = play_one_step(project, embodied, {"env": "embodied/sciworld", "seed": 0}, "look around")
     assert first.startswith("Your task is to boil water"), first
     assert "This room is called" in step["observation"], step
+    search = {"env": "search/searchqa", "seed": 0}
+    first, step = play_one_step(
+        project, "STARGYM_ENV_SEARCH_PORT", search, "<search>capital of France</search>"
+    )
+    assert first.startswith("Question: "), first
+    assert step["observation"].startswith("<information>Doc 1(Title: "), step
     print(f"env servers answered after {time.monotonic() - started:.0f} s", file=sys.stderr)
 
     project.up("trainer-cpu")  # makes the tiny model the engine serves, then answers /health

@@ -70,7 +70,7 @@ NO_MATCH = "<information>No passage matches the query.</information>"
 class SearchSettings(BaseSettings):
     """Which data the env serves: a user's corpus and questions (both), or the default (neither)."""
 
-    model_config = SettingsConfigDict(env_prefix="STARGYM_SEARCH_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="STARGYM_SEARCH_", extra="ignore", env_ignore_empty=True)
 
     corpus: FilePath | None = Field(default=None, description="JSONL of {id, title, text} passages.")
     questions: FilePath | None = Field(default=None, description="JSONL of {question, answers} records.")
