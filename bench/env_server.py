@@ -30,6 +30,19 @@ this process (ScienceWorld on a private pool of one JVM):
 
 A JVM is a child of the server, so the server's CPU per step includes its JVMs'. Results go to
 ``bench/results/env_server_embodied.json``.
+
+``--family search`` (and ``all``) measures ``search/searchqa`` on its default facts corpus:
+
+* load time of the dataset and its tantivy index, in this process and as a server's start (spawn
+  to healthy: ``prepare`` loads them before the server listens), cold (an empty cache folder:
+  the facts generated, the index built) and warm (both read back from the cache);
+* the retriever alone in this process: top-3 queries/s over the single-hop questions' texts;
+* steps with 1 and 16 clients, each an instance of its own: 9 replies in 10 a search for the
+  instance's question, 1 a wrong answer (which continues the episode), reset after the env's
+  turn limit; against the same play in this process.
+
+The cache folders are temporary, so the cold numbers are cold in files (no dataset, no index),
+not in the OS's page cache of the source packages. Results go to ``bench/results/env_server_search.json``.
 """
 
 from __future__ import annotations
@@ -48,10 +61,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -60,6 +73,10 @@ if str(REPO_ROOT) not in sys.path:
 from env_server.core import Env  # noqa: E402
 from services.env_client import EnvClient, EnvServerError  # noqa: E402
 
+if TYPE_CHECKING:
+    from env_server.envs.search.facts import Dataset
+    from env_server.envs.search.retriever import Retriever
+
 PREFERRED_ENV = "game/frozenlake"
 FALLBACK_ENV = "game/bandit"
 ENV_PATHS = {
@@ -67,6 +84,7 @@ ENV_PATHS = {
     "game/bandit": "env_server.envs.game.bandit:BanditEnv",
     "embodied/babyai": "env_server.envs.embodied.babyai:BabyAIEnv",
     "embodied/sciworld": "env_server.envs.embodied.sciworld:SciWorldEnv",
+    "search/searchqa": "env_server.envs.search.searchqa:SearchQAEnv",
 }
 MAX_EPISODE_STEPS = 100  # a random walk that neither falls nor arrives is reset after this many
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -143,13 +161,15 @@ class EnvServerProcess:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=self.environ
             )
-        deadline = time.monotonic() + 60
+        started = time.monotonic()
+        deadline = started + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"env server exited early:\n{self.log_path.read_text()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
                     if response.status == 200:
+                        self.start_s = time.monotonic() - started  # from spawn to the first healthy answer
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -323,14 +343,17 @@ async def bench_in_process_pool(env_class: type[Env], seconds: float) -> dict[st
 class Policy:
     """How a client plays: the instance's options, when an episode is cut short, and its actions.
 
-    ``actions`` given: random ones of that list. Otherwise random ones of ``available_actions``,
-    read once (``refresh`` False: the game envs' action sets do not change) or after every step.
+    ``actions`` given: random ones of that list. ``from_observation`` given: random ones of what it
+    makes of the observation of each create and reset (search: the question). Otherwise random ones
+    of ``available_actions``, read once (``refresh`` False: the game envs' action sets do not
+    change) or after every step.
     """
 
     options: dict[str, Any] | None = None
     max_steps: int = MAX_EPISODE_STEPS
     actions: tuple[str, ...] | None = None
     refresh: bool = False
+    from_observation: Callable[[str], tuple[str, ...]] | None = None
 
 
 @dataclass
@@ -363,7 +386,10 @@ async def make_episodes(
             created = await client.create(env_id, seed=seed, options=policy.options)
             create_s = time.perf_counter() - started
             episode = Episode(created.instance_id, [], random.Random(seed), seed, policy, create_s)
-            await read_actions(client, episode)
+            if policy.from_observation:
+                episode.actions = list(policy.from_observation(created.observation))
+            else:
+                await read_actions(client, episode)
         return episode
 
     return list(await asyncio.gather(*(one(first_seed + i) for i in range(count))))
@@ -389,8 +415,10 @@ async def close_episodes(client: EnvClient, episodes: list[Episode]) -> None:
 async def restart(client: EnvClient, episode: Episode) -> None:
     episode.seed += 100_003
     episode.steps = 0
-    await client.reset(episode.instance_id, seed=episode.seed)
-    if episode.policy.refresh:
+    observed = await client.reset(episode.instance_id, seed=episode.seed)
+    if episode.policy.from_observation:
+        episode.actions = list(episode.policy.from_observation(observed.observation))
+    elif episode.policy.refresh:
         await read_actions(client, episode)
 
 
@@ -710,19 +738,22 @@ def play_in_process(env: Env, policy: Policy, seconds: float) -> dict[str, float
     """One client's play (see :class:`Policy`) without HTTP: step latencies, and steps/s with the
     resets of finished episodes in the wall time, as :func:`bench_single` measures over HTTP."""
     options, rng, seed = env.Options.model_validate(policy.options or {}), random.Random(0), 0
-    env.reset(seed, options)
+    observation = env.reset(seed, options).observation
     latencies: list[float] = []
     episode_steps = 0
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
-        actions = policy.actions or env.available_actions() or ["noop"]
+        if policy.from_observation:
+            actions = list(policy.from_observation(observation))
+        else:
+            actions = policy.actions or env.available_actions() or ["noop"]
         before = time.perf_counter()
         result = env.step(rng.choice(actions))
         latencies.append(time.perf_counter() - before)
         episode_steps += 1
         if result.done or episode_steps >= policy.max_steps:
             seed += 100_003
-            env.reset(seed, options)
+            observation = env.reset(seed, options).observation
             episode_steps = 0
     return {
         "steps": len(latencies),
@@ -970,6 +1001,185 @@ def bench_embodied(args: argparse.Namespace) -> int:
     return 1 if args.check and not results["jvm_pool"]["ok"] else 0
 
 
+# -- search ----------------------------------------------------------------------------------
+
+SEARCH_ENV = "search/searchqa"
+SEARCH_TOP_K = 3  # AgentGym's retrieval_topk, the env's default
+# A wrong answer continues the episode (the env's default, AgentGym's server's): one reply in ten
+# is one, the others search for the question's own text, so most steps pay for a retrieval.
+SEARCHES_PER_WRONG_ANSWER = 9
+WRONG_ANSWER = "<answer>not the answer</answer>"
+
+
+def search_replies(observation: str) -> tuple[str, ...]:
+    """A client's replies to the question ``observation`` shows: its text as a search, or a wrong answer."""
+    question = observation.removeprefix("Question: ")
+    return (f"<search>{question}</search>",) * SEARCHES_PER_WRONG_ANSWER + (WRONG_ANSWER,)
+
+
+def folder_mib(folder: Path) -> float:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) / 2**20
+
+
+def load_search_data(cache_dir: Path) -> tuple[dict[str, float], Dataset, Retriever]:
+    """The default dataset and its index, loaded as a server's ``prepare`` does; the seconds each took.
+
+    The retriever is made directly, not through ``shared_retriever``, which would hand the cold
+    run's index to the warm run.
+    """
+    from env_server.envs.search import facts
+    from env_server.envs.search.retriever import Retriever
+
+    started = time.perf_counter()
+    dataset = facts.default_dataset(cache_dir)
+    loaded = time.perf_counter()
+    retriever = Retriever(dataset.passages, cache_dir)
+    ended = time.perf_counter()
+    seconds = {"dataset_s": loaded - started, "index_s": ended - loaded, "total_s": ended - started}
+    return seconds, dataset, retriever
+
+
+def bench_queries(retriever: Retriever, queries: list[str], seconds: float) -> dict[str, float]:
+    """Top-``SEARCH_TOP_K`` searches for ``queries`` in turn, one per call as the env makes them."""
+    latencies: list[float] = []
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(64):
+            before = time.perf_counter()
+            retriever.search(queries[len(latencies) % len(queries)], SEARCH_TOP_K)
+            latencies.append(time.perf_counter() - before)
+    wall = time.perf_counter() - started
+    return {"queries_per_s": len(latencies) / wall, "distinct_queries": len(queries)} | latency(latencies)
+
+
+async def run_search(args: argparse.Namespace) -> dict[str, Any]:
+    """Load times in-process and as server starts (cold, then warm), queries/s, then steps over HTTP."""
+    from env_server.envs.search.searchqa import SearchData, SearchQAEnv
+
+    policy = Policy(max_steps=SearchQAEnv.default_max_turns, from_observation=search_replies)
+    results: dict[str, Any] = {"top_k": SEARCH_TOP_K, "max_turns": policy.max_steps}
+    with tempfile.TemporaryDirectory(prefix="bench-search-") as folder:
+        in_process_cache, server_cache = Path(folder) / "in-process", Path(folder) / "server"
+        print("  search: dataset and index in-process, cold then warm", flush=True)
+        cold, _, _ = load_search_data(in_process_cache)
+        warm, dataset, retriever = load_search_data(in_process_cache)
+        results["in_process_load"] = {"cold": cold, "warm": warm}
+        results["corpus"] = {
+            "passages": len(dataset.passages),
+            "questions": {split: len(questions) for split, questions in dataset.questions.items()},
+            "index_mib": folder_mib(in_process_cache / "search" / "index"),
+            "dataset_cache_mib": folder_mib(in_process_cache)
+            - folder_mib(in_process_cache / "search" / "index"),
+        }
+        single_hop = [q.question for split in dataset.questions.values() for q in split if q.hops == 1]
+        results["queries"] = bench_queries(retriever, single_hop, args.seconds)
+        env = SearchQAEnv(SearchData(dataset.questions, retriever))
+        results["step_in_process"] = play_in_process(env, policy, args.seconds)
+        environ = {"STARGYM_CACHE_DIR": str(server_cache)}
+        root = args.server_root.resolve()
+        with EnvServerProcess(SEARCH_ENV, root=root, environ=environ) as server:
+            results["server_start"] = {"cold_s": server.start_s}
+        with EnvServerProcess(SEARCH_ENV, root=root, environ=environ) as server:
+            results["server_start"]["warm_s"] = server.start_s
+            results["server_start"]["rss_mib"] = server.rss_bytes() / 2**20
+            print(f"  search: steps on {server.url} ({args.seconds:g} s per configuration)", flush=True)
+            results["clients"] = []
+            async with EnvClient(server.url, timeout=60.0) as client:
+                for concurrency in args.search_concurrency:
+                    episodes = await make_episodes(
+                        client, SEARCH_ENV, concurrency, concurrency * 1000, policy
+                    )
+                    row = await bench_single(client, server, episodes, args.seconds)
+                    row["ratio_to_in_process"] = (
+                        row["steps_per_s"] / results["step_in_process"]["steps_per_s"]
+                    )
+                    results["clients"].append(row)
+    return results
+
+
+def render_search(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    corpus = results["corpus"]
+    loads = Table(
+        title=f"search/searchqa: data and index load, {corpus['passages']:,} passages",
+        caption=f"cold: empty cache folder (facts generated, tantivy index built; index {corpus['index_mib']:.1f} "
+        f"MiB, dataset cache {corpus['dataset_cache_mib']:.1f} MiB); warm: both cached. Server start: spawn to "
+        "the first healthy answer (it loads them before it listens)",
+    )
+    for column in ("where", "cache", "dataset s", "index s", "total s"):
+        loads.add_column(column, justify="left" if column in ("where", "cache") else "right")
+    for cache in ("cold", "warm"):
+        row = results["in_process_load"][cache]
+        loads.add_row(
+            "in-process", cache, f"{row['dataset_s']:.2f}", f"{row['index_s']:.2f}", f"{row['total_s']:.2f}"
+        )
+    for cache in ("cold", "warm"):
+        loads.add_row("server start", cache, "", "", f"{results['server_start'][f'{cache}_s']:.2f}")
+    console.print(loads)
+    steps = Table(
+        title=f"search/searchqa: retrieval and steps (top {results['top_k']}), {results['machine']['cpus']} cores",
+        caption="queries: the single-hop questions' texts, one search per call; steps: 9 in 10 a search for "
+        "the instance's question, 1 in 10 a wrong answer, reset after "
+        f"{results['max_turns']} turns; one instance per client",
+    )
+    columns = ["what", "clients", "per s", "× in-process", "p50 ms", "p99 ms", "client CPU ms/step"]
+    for column in [*columns, "server CPU ms/step", "other procs (cores)"]:
+        steps.add_column(column, justify="left" if column == "what" else "right")
+    queries, in_process = results["queries"], results["step_in_process"]
+    steps.add_row(
+        "retriever queries",
+        "in-process",
+        f"{queries['queries_per_s']:,.0f}",
+        "",
+        f"{queries['p50_ms']:.2f}",
+        f"{queries['p99_ms']:.2f}",
+    )
+    steps.add_row(
+        "env steps",
+        "in-process",
+        f"{in_process['steps_per_s']:,.0f}",
+        "1",
+        f"{in_process['p50_ms']:.2f}",
+        f"{in_process['p99_ms']:.2f}",
+    )
+    for row in results["clients"]:
+        steps.add_row(
+            "steps over HTTP",
+            str(row["concurrency"]),
+            f"{row['steps_per_s']:,.0f}",
+            f"{row['ratio_to_in_process']:.3f}",
+            f"{row['p50_ms']:.2f}",
+            f"{row['p99_ms']:.2f}",
+            f"{row['client_cpu_ms_per_step']:.3f}",
+            f"{row['server_cpu_ms_per_step']:.3f}",
+            f"{row['other_processes_cores']:.1f}",
+        )
+    console.print(steps)
+    console.print(f"search server RSS after a warm start: {results['server_start']['rss_mib']:.0f} MiB")
+
+
+def bench_search(args: argparse.Namespace) -> int:
+    """``--family search``: run, print, write ``--search-out``."""
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    results = run_loop(run_search(args), args.uvloop)
+    results = {
+        "env": SEARCH_ENV,
+        "machine": machine(load_before),
+        "server_root": str(args.server_root.resolve()),
+        "seconds_per_configuration": args.seconds,
+        "seconds_in_all": round(time.perf_counter() - started, 1),
+        "ratio_note": "HTTP steps/s divided by one client's steps/s in this process (same replies, same index)",
+        **results,
+    }
+    render_search(results)
+    write(args.search_out, results)
+    return 0
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -979,9 +1189,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--family",
-        choices=["game", "embodied", "all"],
+        choices=["game", "embodied", "search", "all"],
         default="all",
-        help="The env family to benchmark (game: --env; embodied: BabyAI and ScienceWorld).",
+        help="The env family to benchmark (game: --env; embodied: BabyAI and ScienceWorld; search: SearchQA).",
     )
     parser.add_argument(
         "--env",
@@ -1012,6 +1222,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pool-size", type=int, default=4, help="JVMs in the pool they share.")
     parser.add_argument(
         "--embodied-out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server_embodied.json"
+    )
+    parser.add_argument(
+        "--search-concurrency", type=_ints, default=[1, 16], help="Concurrent clients of the search env."
+    )
+    parser.add_argument(
+        "--search-out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server_search.json"
     )
     return parser.parse_args()
 
@@ -1081,6 +1297,8 @@ def main() -> int:
     failed = bench_game(args) if args.family in ("game", "all") else 0
     if args.family in ("embodied", "all"):
         failed |= bench_embodied(args)
+    if args.family in ("search", "all"):
+        failed |= bench_search(args)
     return failed
 
 
