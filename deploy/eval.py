@@ -38,6 +38,7 @@ from rich.table import Table
 
 from deploy.evaluation import EnvResult, EvalError, EvalPlan, run_eval
 from services.contracts import parse_family_urls
+from services.errors import validation_problems
 from services.rollout_protocol import ActionFormat, SamplingParams
 
 # -- the command ------------------------------------------------------------------------------
@@ -180,8 +181,7 @@ def build_config(
     try:
         sampling_params = SamplingParams(**sampling)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise EvalError(f"bad sampling settings: {problems}") from None
+        raise EvalError(f"bad sampling settings: {validation_problems(exc, 'sampling')}") from None
     if out is None:
         out = Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}" / "trajectories.jsonl"
     config = EvalPlan(

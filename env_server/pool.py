@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from env_server.core import Env, EnvFailure, Observation, Step
 from services.contracts import ACTION_SEPARATOR
-from services.errors import ApiError, conflict, not_found, too_many
+from services.errors import ApiError, conflict, not_found, too_many, validation_problems
 
 T = TypeVar("T")
 
@@ -235,7 +235,9 @@ def parse_options(env_class: type[Env], options: dict[str, Any]) -> tuple[BaseMo
             {k: v for k, v in options.items() if k not in host_fields}
         )
     except ValidationError as exc:
-        raise ApiError(422, "invalid_options", f"{env_class.env_id()}: {_first_errors(exc)}") from None
+        raise ApiError(
+            422, "invalid_options", f"{env_class.env_id()}: {validation_problems(exc, 'options')}"
+        ) from None
     return env_options, host_options
 
 
@@ -291,9 +293,3 @@ async def _run(env: Env, call: Callable[[], T]) -> T:
     if env.runs_inline:
         return call()
     return await asyncio.to_thread(call)
-
-
-def _first_errors(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in error['loc']) or 'options'}: {error['msg']}" for error in exc.errors()[:5]
-    )

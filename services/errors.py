@@ -7,6 +7,8 @@ handler produces exactly that, so handlers never build error responses by hand.
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 
 class ApiError(Exception):
     """A failure the client caused or must handle, carried to the HTTP edge unchanged."""
@@ -35,3 +37,12 @@ def bad_request(code: str, message: str) -> ApiError:
 
 def too_many(code: str, message: str) -> ApiError:
     return ApiError(429, code, message)
+
+
+def validation_problems(exc: ValidationError, whole: str, limit: int = 5) -> str:
+    """The first ``limit`` problems of a pydantic error as ``field.path: message; ...``, for the
+    messages users read (an error about the model itself is named ``whole``)."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or whole}: {error['msg']}"
+        for error in exc.errors()[:limit]
+    )

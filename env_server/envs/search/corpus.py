@@ -14,6 +14,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from services.errors import validation_problems
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -67,10 +69,7 @@ def read_jsonl(path: Path, model: type[M]) -> list[M]:
         try:
             records.append(model.model_validate_json(line))
         except ValidationError as exc:
-            problem = "; ".join(
-                f"{'.'.join(str(p) for p in error['loc']) or 'line'}: {error['msg']}"
-                for error in exc.errors()[:3]
-            )
+            problem = validation_problems(exc, "line", limit=3)
             raise CorpusFileError(f"{path}:{number}: not a {model.__name__}: {problem}") from None
     if not records:
         raise CorpusFileError(f"{str(path)!r} holds no records")

@@ -30,7 +30,7 @@ from env_server.core import Env, EnvFailure, Observation, Step
 from env_server.envs.search import facts
 from env_server.envs.search.corpus import CorpusFileError, Passage, Question
 from env_server.envs.search.retriever import MAX_QUERY_TERMS, Retriever, query_terms, shared_retriever
-from services.errors import ApiError
+from services.errors import ApiError, validation_problems
 
 # AgentGym's server numbers its test questions first, then its train questions; dev comes last.
 AGENTGYM_ORDER = ("test", "train", "dev")
@@ -116,10 +116,7 @@ def shared_data() -> SearchData:
                 else:
                     dataset = facts.default_dataset()
             except ValidationError as exc:
-                problems = "; ".join(
-                    f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
-                )
-                raise EnvFailure(f"search settings: {problems}") from None
+                raise EnvFailure(f"search settings: {validation_problems(exc, 'settings')}") from None
             except CorpusFileError as exc:
                 raise EnvFailure(str(exc)) from None
             _SHARED = SearchData.build(dataset, facts.cache_root())
