@@ -155,11 +155,23 @@ class MixEnv(Section):
     id: str = Field(pattern=r"^[a-z0-9_]+/[A-Za-z0-9_.-]+$", description="Env id, e.g. 'game/frozenlake'.")
     weight: float = Field(default=1.0, gt=0, description="Share of new groups drawn from this env.")
     options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
+    eval_options: dict[str, Any] | None = Field(
+        default=None,
+        description="Options held-out evaluation overrides, key by key, e.g. {split: dev} for an env "
+        "whose options pick its data split: held-out seeds alone would replay training questions.",
+    )
     url: str | None = Field(default=None, description="Env server of this env; None: `envs.servers[family]`.")
 
     @property
     def family(self) -> str:
         return self.id.split("/", 1)[0]
+
+    @property
+    def held_out_options(self) -> dict[str, Any] | None:
+        """The options of evaluation: ``options`` with ``eval_options``' keys replaced or added."""
+        if self.eval_options is None:
+            return self.options
+        return (self.options or {}) | self.eval_options
 
 
 class EnvsConfig(Section):

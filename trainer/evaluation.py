@@ -2,7 +2,7 @@
 
 Every ``eval.every`` updates (and at the end of the run) the controller issues one *round*: for
 each env of the mix, ``eval.episodes`` jobs on the held-out seeds (``envs.eval_seeds``, from its
-start; 0 episodes: all of them), sampled at ``eval.temperature`` under the final horizon of the
+start; 0 episodes: all of them) with the env's options and its ``eval_options`` over them, sampled at ``eval.temperature`` under the final horizon of the
 curriculum, so that rounds at different steps measure the same task. They go through the same
 job stream as training jobs, so the same workers, engines and policy versions play them, and
 are told apart by their group id (``<run>-eval<step>-<lifetime>``), never trained on and not
@@ -77,7 +77,7 @@ def make_eval_jobs(
             sampling=sampling.model_copy(update={"seed": seeds.start + index}),
             policy_version=version,
             action_format=config.rollout.action_format,
-            options=env.options,
+            options=env.held_out_options,
         )
         for env_index, env in enumerate(config.envs.mix)
         for index in range(episodes)

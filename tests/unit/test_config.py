@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from trainer.config import PRESETS, ConfigError, TrainConfig, load_config
+from trainer.evaluation import make_eval_jobs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 ENV_CLASSES = {ep.name: ep for ep in entry_points(group="stargym.envs")}
@@ -51,6 +52,7 @@ def test_every_config_file_validates(path: Path) -> None:
     for env in config.envs.mix:  # env options are checked against the env's own model
         assert env.id in ENV_CLASSES, f"{path.name}: unknown env {env.id}"
         ENV_CLASSES[env.id].load().Options.model_validate(env.options or {})
+        ENV_CLASSES[env.id].load().Options.model_validate(env.held_out_options or {})
     # round trip: the dump of a validated config is itself a valid config with the same values
     assert TrainConfig.from_dict(yaml.safe_load(config.to_yaml())) == config
 
@@ -86,6 +88,35 @@ def test_recipes_say_what_the_issue_says() -> None:
     assert sokoban.preset == "starpo_s" and sokoban.starpo_s.filter.enabled
     assert (sokoban.rollout.groups_per_batch, sokoban.rollout.group_size) == (8, 16)
     assert tuple(sokoban.envs.mix[0].options["dim"]) == (6, 6)
+
+
+def test_eval_options_override_the_mix_options_key_by_key_in_eval_jobs_only() -> None:
+    config = TrainConfig.from_dict(
+        {
+            "envs": {
+                "mix": [
+                    {
+                        "id": "search/searchqa",
+                        "options": {"split": "train", "top_k": 5},
+                        "eval_options": {"split": "dev"},
+                    },
+                    {"id": "game/frozenlake", "options": {"size": 4}},
+                ]
+            },
+            "eval": {"episodes": 2},
+        }
+    )
+    search, lake = config.envs.mix
+    assert search.held_out_options == {"split": "dev", "top_k": 5}
+    assert lake.held_out_options == {"size": 4}
+    jobs = make_eval_jobs(config, "run", "l0", step=10, version=3)
+    assert [(job.env, job.options) for job in jobs] == [
+        ("search/searchqa", {"split": "dev", "top_k": 5}),
+        ("search/searchqa", {"split": "dev", "top_k": 5}),
+        ("game/frozenlake", {"size": 4}),
+        ("game/frozenlake", {"size": 4}),
+    ]
+    assert search.options == {"split": "train", "top_k": 5}  # training jobs keep the mix's options
 
 
 def test_defaults_follow_the_design() -> None:
