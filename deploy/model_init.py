@@ -55,6 +55,7 @@ def collect_env_texts(
     actions: set[str] = set()
     for env_id, env_class in env_classes.items():
         texts += [env_class.instruction, env_class.action_format]
+        actions.update(env_class.vocabulary_actions)
         option_sets = (
             [options_by_env[env_id]]
             if options_by_env and env_id in options_by_env

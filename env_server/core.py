@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from fastapi import APIRouter
 
 
 @dataclass(slots=True)
@@ -66,11 +69,15 @@ class Env(abc.ABC):
     reward_range: ClassVar[tuple[float, float]]
     Options: ClassVar[type[BaseModel]] = NoOptions
     # The AgentGym client dialect served at /agentgym/<name>/ (env_server/agentgym.py): "id" for
-    # TextCraft-, BabyAI- and SciWorld-style clients, "env_idx" for SearchQA's.
-    agentgym_dialect: ClassVar[Literal["id", "env_idx"]] = "id"
+    # TextCraft-, BabyAI- and SciWorld-style clients, "env_idx" for SearchQA's, "webshop" for
+    # WebShop's (an env of that dialect is a :class:`env_server.agentgym.WebPageEnv`).
+    agentgym_dialect: ClassVar[Literal["id", "env_idx", "webshop"]] = "id"
     # What `stargym model init` plays (each option set for its number of seeds) so the tiny policy's
     # vocabulary covers what a policy of this env will read and say; default: the default options.
     vocabulary_options: ClassVar[tuple[dict[str, Any], ...]] = ({},)
+    # Strings the tiny policy makes single tokens besides the actions it sees: the fixed markers of
+    # an open-text action syntax (SearchQA's tags), so a random policy can say them at all.
+    vocabulary_actions: ClassVar[tuple[str, ...]] = ()
     # True when reset and step cost microseconds: the host then runs them on its event loop instead
     # of hopping to a worker thread, which would cost more than the call itself.
     runs_inline: ClassVar[bool] = False
@@ -113,6 +120,13 @@ class Env(abc.ABC):
         """Load what the class's instances share (a corpus and its index) before the server
         listens: a bad setting then stops the server with its message, instead of failing every
         create, and the first create is not the slow one. May raise :class:`EnvFailure`."""
+
+    @classmethod
+    def routers(cls) -> list[APIRouter]:
+        """HTTP routes the env serves beside the host's, mounted at the server's root: pages a
+        person opens in a browser (web/shop's shop at ``/shop/<instance id>/``). Handlers reach
+        the instances through :data:`env_server.routes.PoolDep`. Most envs serve none."""
+        return []
 
     @classmethod  # noqa: B027 - optional hook, most envs share nothing
     def shutdown(cls) -> None:

@@ -160,6 +160,7 @@ class SearchQAEnv(Env):
     reward_range = (0.0, 1.0)
     Options = SearchQAOptions
     agentgym_dialect = "env_idx"  # AgentGym's SearchQA client: /create {"id": 0}, then env_idx
+    vocabulary_actions = ("<search>", "</search>", "<answer>", "</answer>")
 
     @classmethod
     def prepare(cls) -> None:
