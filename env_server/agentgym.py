@@ -26,12 +26,21 @@ client sends ``/create {"id": 0}`` and keeps the bare JSON answer as its ``env_i
 puts in every body (``/step {"env_idx", "action"}``, ``/reset {"env_idx", "id"}`` with the task
 index as ``id``, ``/close {"env_idx"}``) and query (``GET /observation?env_idx=``); ``/reset``
 answers the bare observation string and ``/step`` ``{"observation", "reward", "done", "info"}``.
+
+AgentGym's WebShop server (``Env.agentgym_dialect = "webshop"``, envs that are a
+:class:`WebPageEnv`): ``/create`` without a body answers the bare ``env_idx``; ``/reset
+{"env_idx", "session_id"}`` answers ``[observation, null]`` (its client then reads ``GET
+/observation?env_idx=``); ``/step {"env_idx", "action"}`` answers ``{"state", "reward", "done",
+"info": null}``; ``GET /available_actions`` ``{"has_search_bar", "clickables"}`` (lower case),
+``GET /instruction_text`` the bare instruction, ``GET /state`` ``{"url", "html",
+"instruction_text"}``, and ``/close {"env_idx"}`` ``{"closed": true}``. A ``session_id`` of null
+resets the instance to the goal it was created with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Protocol, cast
 
 from fastapi import APIRouter, Body, Query
 
@@ -49,6 +58,11 @@ from services.env_protocol import (
     AgentGymIndexedStepResult,
     AgentGymReset,
     AgentGymResetResult,
+    AgentGymShopActions,
+    AgentGymShopClosed,
+    AgentGymShopReset,
+    AgentGymShopState,
+    AgentGymShopStepResult,
     AgentGymStep,
     AgentGymStepResult,
 )
@@ -58,11 +72,28 @@ from services.errors import not_found
 CREATE_SEED = 0
 
 
+class WebPageEnv(Protocol):
+    """What the WebShop dialect reads of an env whose state is a web page."""
+
+    def page_html(self) -> str: ...
+
+    def clickables(self) -> list[str]: ...
+
+    @property
+    def has_search_bar(self) -> bool: ...
+
+    def page_url(self) -> str: ...
+
+    def instruction_text(self) -> str: ...
+
+
 def agentgym_router(env_id: str, env_class: type[Env]) -> APIRouter:
     """The AgentGym route set for one env, in its dialect; mount it with prefix ``/agentgym/<name>``."""
     router = APIRouter(tags=[f"agentgym: {env_class.name}"])
     if env_class.agentgym_dialect == "env_idx":
         _add_env_idx_routes(router, env_id, env_class)
+    elif env_class.agentgym_dialect == "webshop":
+        _add_webshop_routes(router, env_id, env_class)
     else:
         _add_id_routes(router, env_id, env_class)
     return router
@@ -155,3 +186,63 @@ def _add_env_idx_routes(router: APIRouter, env_id: str, env_class: type[Env]) ->
         own(pool, body.env_idx)
         await pool.close(body.env_idx)
         return True
+
+
+def _add_webshop_routes(router: APIRouter, env_id: str, env_class: type[Env]) -> None:
+    """WebShop's dialect: the instance is ``env_idx``; the env is a web page (:class:`WebPageEnv`)."""
+    own = _owner(env_id)
+    members = ("clickables", "has_search_bar", "page_url", "page_html", "instruction_text")
+    missing = [name for name in members if not hasattr(env_class, name)]
+    if missing:  # a wiring mistake of the env's author: the server refuses to start
+        raise TypeError(f"{env_id} declares the webshop dialect but lacks {', '.join(missing)} (WebPageEnv)")
+
+    def page_of(pool: InstancePool, env_idx: str) -> WebPageEnv:
+        return cast(WebPageEnv, own(pool, env_idx).env)
+
+    @router.post("/create", response_model=str)
+    async def create(pool: PoolDep) -> str:
+        instance, _ = await pool.create(env_id, CREATE_SEED, None)
+        return instance.instance_id
+
+    @router.post("/reset", response_model=tuple[str, None])
+    async def reset(body: AgentGymShopReset, pool: PoolDep) -> tuple[str, None]:
+        instance = own(pool, body.env_idx)
+        if body.session_id is None:
+            seed, options = instance.seed, None
+        else:
+            seed, options = env_class.agentgym_task(body.session_id)
+        observed = await pool.reset(body.env_idx, seed, options)
+        return observed.observation, None
+
+    @router.post("/step", response_model=AgentGymShopStepResult)
+    async def step(body: AgentGymIndexedStep, pool: PoolDep) -> AgentGymShopStepResult:
+        own(pool, body.env_idx)
+        result = await pool.step(body.env_idx, body.action)
+        return AgentGymShopStepResult(state=result.observation, reward=result.reward, done=result.done)
+
+    @router.get("/observation", response_model=str)
+    async def observation(pool: PoolDep, env_idx: Annotated[str, Query()]) -> str:
+        return own(pool, env_idx).observation
+
+    @router.get("/available_actions", response_model=AgentGymShopActions)
+    async def available_actions(pool: PoolDep, env_idx: Annotated[str, Query()]) -> AgentGymShopActions:
+        page = page_of(pool, env_idx)
+        labels = [label.lower() for label in page.clickables()]
+        return AgentGymShopActions(has_search_bar=page.has_search_bar, clickables=labels)
+
+    @router.get("/instruction_text", response_model=str)
+    async def instruction_text(pool: PoolDep, env_idx: Annotated[str, Query()]) -> str:
+        return page_of(pool, env_idx).instruction_text()
+
+    @router.get("/state", response_model=AgentGymShopState)
+    async def state(pool: PoolDep, env_idx: Annotated[str, Query()]) -> AgentGymShopState:
+        page = page_of(pool, env_idx)
+        return AgentGymShopState(
+            url=page.page_url(), html=page.html, instruction_text=page.instruction_text()
+        )
+
+    @router.post("/close", response_model=AgentGymShopClosed)
+    async def close(body: AgentGymIndexedClose, pool: PoolDep) -> AgentGymShopClosed:
+        own(pool, body.env_idx)
+        await pool.close(body.env_idx)
+        return AgentGymShopClosed(closed=True)

@@ -54,4 +54,6 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
     app.include_router(router)
     for env_id, env_class in env_classes.items():
         app.include_router(agentgym_router(env_id, env_class), prefix=f"/agentgym/{env_class.name}")
+        for env_router in env_class.routers():
+            app.include_router(env_router)
     return app

@@ -225,3 +225,37 @@ class AgentGymIndexedStepResult(BaseModel):
     reward: float
     done: bool
     info: dict[str, Any] | None = None
+
+
+# --- AgentGym's WebShop dialect -------------------------------------------------------------
+
+
+class AgentGymShopReset(BaseModel):
+    """WebShop's /reset body: the session is the goal's number (none: the instance's own goal)."""
+
+    env_idx: str
+    session_id: Seed | None = None
+
+
+class AgentGymShopStepResult(BaseModel):
+    """WebShop's step answer: the page as text in ``state``; ``info`` is always null there."""
+
+    state: str
+    reward: float
+    done: bool
+    info: None = None
+
+
+class AgentGymShopActions(BaseModel):
+    has_search_bar: bool
+    clickables: list[str] = Field(description="The page's clickables, lower case (WebShop's).")
+
+
+class AgentGymShopState(BaseModel):
+    url: str
+    html: str
+    instruction_text: str
+
+
+class AgentGymShopClosed(BaseModel):
+    closed: bool
