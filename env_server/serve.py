@@ -36,11 +36,25 @@ def serve_command(
         Path | None,
         typer.Option(help="search: your questions, JSONL of {question, answers} [STARGYM_SEARCH_QUESTIONS]."),
     ] = None,
+    catalog: Annotated[
+        Path | None,
+        typer.Option(help="web: WebShop's product file, items_shuffle.json [STARGYM_WEB_CATALOG]."),
+    ] = None,
+    attributes: Annotated[
+        Path | None,
+        typer.Option(help="web: WebShop's attribute file, items_ins_v2.json [STARGYM_WEB_ATTRIBUTES]."),
+    ] = None,
 ) -> None:
     """Serve env families (and single env classes) over HTTP."""
     families = families or []
-    # The search family reads its data settings from the environment (SearchSettings).
-    for variable, path in (("STARGYM_SEARCH_CORPUS", corpus), ("STARGYM_SEARCH_QUESTIONS", questions)):
+    # The search and web families read their data settings from the environment (SearchSettings,
+    # WebSettings), where `prepare` below and every worker thread find them.
+    for variable, path in (
+        ("STARGYM_SEARCH_CORPUS", corpus),
+        ("STARGYM_SEARCH_QUESTIONS", questions),
+        ("STARGYM_WEB_CATALOG", catalog),
+        ("STARGYM_WEB_ATTRIBUTES", attributes),
+    ):
         if path is not None:
             os.environ[variable] = str(path)
     overrides = {
