@@ -25,9 +25,11 @@ worker's tokens: ``STARGYM_ROLLOUT_ENGINE_API_TOKEN``, ``STARGYM_ROLLOUT_ENV_API
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -91,6 +93,12 @@ def eval_command(
         Path | None,
         typer.Option(help="Trajectories JSONL; default runs/eval-<timestamp>/trajectories.jsonl."),
     ] = None,
+    options: Annotated[
+        str | None,
+        typer.Option(
+            help='Env options of every --env as JSON, e.g. \'{"split": "test"}\'; default: each env\'s.'
+        ),
+    ] = None,
 ) -> None:
     """Play episodes of each env with a policy; print a table per env and write the trajectories."""
     err = Console(stderr=True)
@@ -112,6 +120,7 @@ def eval_command(
             action_format=action_format,
             system_prompt=system_prompt,
             out=out,
+            options=options,
         )
         results = run_eval(config, err)
     except EvalError as exc:
@@ -149,6 +158,7 @@ def build_config(
     action_format: str | None,
     system_prompt: str | None,
     out: Path | None,
+    options: str | None = None,
 ) -> EvalPlan:
     """Check the flags (nothing is started or contacted here); :class:`EvalError` says what is wrong."""
     from rollout_server.actions import ACTION_FORMATS
@@ -166,6 +176,7 @@ def build_config(
     except ValueError as exc:
         raise EvalError(f"--env-url: {exc}") from None
     _check_registered(env_ids, env_urls)
+    env_options = _parse_options(options, env_ids, env_urls)
 
     modes = [flag for flag, value in (("--model", model), ("--engine-url", engine_url)) if value]
     if openai_base_url or openai_model:
@@ -196,6 +207,7 @@ def build_config(
         action_format=cast(ActionFormat | None, action_format),
         system_prompt=system_prompt,
         engine_max_num_seqs=max(64, concurrency),
+        options=env_options,
     )
     if model is not None:
         if not (model / "config.json").is_file():
@@ -232,6 +244,32 @@ def _check_registered(env_ids: list[str], env_urls: dict[str, str]) -> None:
     for env_id in env_ids:
         if env_id.split("/", 1)[0] not in env_urls and env_id not in registered:
             raise EvalError(f"unknown env {env_id!r}; registered envs: {', '.join(registered)}")
+
+
+def _parse_options(text: str | None, env_ids: list[str], env_urls: dict[str, str]) -> dict[str, Any] | None:
+    """``--options``: a JSON object, checked against the options model of every env this run serves
+    itself (a given server checks its envs' options and refuses bad ones with a 422)."""
+    if text is None:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EvalError(f"--options is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise EvalError(
+            f'--options must be a JSON object of env options, e.g. \'{{"split": "test"}}\', not {text!r}'
+        )
+    from env_server.registry import ENTRY_POINT_GROUP, load_env_path
+
+    registered = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    for env_id in env_ids:
+        if env_id.split("/", 1)[0] in env_urls or env_id not in registered:
+            continue
+        try:
+            load_env_path(registered[env_id]).Options.model_validate(options)
+        except ValidationError as exc:
+            raise EvalError(f"--options for {env_id}: {validation_problems(exc, 'options')}") from None
+    return options
 
 
 # -- reporting --------------------------------------------------------------------------------

@@ -265,6 +265,25 @@ def test_eval_with_a_model_dir_starts_and_stops_its_services(model_dir: Path, tm
         assert not listening(int(log.stem.rsplit("-", 1)[1]))
 
 
+def test_eval_options_reach_every_episode(model_dir: Path, tmp_path: Path) -> None:
+    """``--options``: web/shop's test goals, started on the results page, in every episode."""
+    from env_server.envs.web.catalog import generate_catalog
+
+    out = tmp_path / "run" / "trajectories.jsonl"
+    options = '{"split": "test", "start": "results"}'
+    args = ["eval", "--model", str(model_dir), "--env", "web/shop", "--options", options, "--episodes", "3"]
+    result = stargym(*args, "--max-turns", "1", "--max-tokens", "4", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    test_goals = generate_catalog().goals["test"]
+    trajectories = read_trajectories(out)
+    assert len(trajectories) == 3
+    for trajectory in trajectories:
+        assert trajectory.options == {"split": "test", "start": "results"} and trajectory.error is None
+        first = trajectory.turns[0].observation
+        assert first.startswith("Instruction: [SEP] ") and "Total results" in first
+        assert test_goals[trajectory.seed % len(test_goals)].instruction in first
+
+
 def test_eval_against_an_openai_compatible_endpoint(
     engine_server: RunningServer, game_server: RunningServer, tmp_path: Path
 ) -> None:
@@ -355,6 +374,17 @@ def test_eval_against_a_running_engine(
         (["--env", FROZENLAKE, "--model", "/nonexistent"], {}, "not a Hugging Face model directory"),
         (["--env", FROZENLAKE, "--model", "{model}", "--env-url", "game"], {}, "must be FAMILY=URL"),
         (["--env", FROZENLAKE, "--model", "{model}", "--action-format", "xml"], {}, "unknown action format"),
+        (
+            ["--env", "web/shop", "--model", "{model}", "--options", "{{split: test"],
+            {},
+            "--options is not JSON",
+        ),
+        (["--env", "web/shop", "--model", "{model}", "--options", "[1]"], {}, "must be a JSON object"),
+        (
+            ["--env", "web/shop", "--model", "{model}", "--options", '{{"split": "holdout"}}'],
+            {},
+            "--options for web/shop: split:",
+        ),
     ],
 )
 def test_bad_input_exits_with_a_clear_message(
