@@ -43,6 +43,18 @@ A JVM is a child of the server, so the server's CPU per step includes its JVMs'.
 
 The cache folders are temporary, so the cold numbers are cold in files (no dataset, no index),
 not in the OS's page cache of the source packages. Results go to ``bench/results/env_server_search.json``.
+
+``--family web`` (and ``all``) measures ``web/shop`` on its generated catalog:
+
+* the catalog's generation and its index (in memory) in this process; the server's start, cold
+  (an empty cache folder) and warm (the index read back), and its RSS;
+* search and click latency, one client, in-process and over HTTP: a search from the search page,
+  a click on its first product, a click on "Back to Search", in turn; and GETs of a results
+  page's HTML, as a person's browser makes them;
+* steps/s with 1 and 16 clients (random clickables, a search where there is a search bar, reset
+  after 15 turns) against the same play in this process.
+
+Results go to ``bench/results/env_server_web.json``.
 """
 
 from __future__ import annotations
@@ -85,6 +97,7 @@ ENV_PATHS = {
     "embodied/babyai": "env_server.envs.embodied.babyai:BabyAIEnv",
     "embodied/sciworld": "env_server.envs.embodied.sciworld:SciWorldEnv",
     "search/searchqa": "env_server.envs.search.searchqa:SearchQAEnv",
+    "web/shop": "env_server.envs.web.shop:ShopEnv",
 }
 MAX_EPISODE_STEPS = 100  # a random walk that neither falls nor arrives is reset after this many
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -354,6 +367,7 @@ class Policy:
     actions: tuple[str, ...] | None = None
     refresh: bool = False
     from_observation: Callable[[str], tuple[str, ...]] | None = None
+    open_text: tuple[str, ...] = ()  # where the env lists no actions (a search page): random ones of these
 
 
 @dataclass
@@ -398,7 +412,9 @@ async def make_episodes(
 async def read_actions(client: EnvClient, episode: Episode) -> None:
     fixed = episode.policy.actions
     episode.actions = (
-        list(fixed) if fixed else await client.available_actions(episode.instance_id) or ["noop"]
+        list(fixed)
+        if fixed
+        else await client.available_actions(episode.instance_id) or list(episode.policy.open_text) or ["noop"]
     )
 
 
@@ -746,7 +762,7 @@ def play_in_process(env: Env, policy: Policy, seconds: float) -> dict[str, float
         if policy.from_observation:
             actions = list(policy.from_observation(observation))
         else:
-            actions = policy.actions or env.available_actions() or ["noop"]
+            actions = policy.actions or env.available_actions() or list(policy.open_text) or ["noop"]
         before = time.perf_counter()
         result = env.step(rng.choice(actions))
         latencies.append(time.perf_counter() - before)
@@ -1180,6 +1196,207 @@ def bench_search(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- web -------------------------------------------------------------------------------------
+
+WEB_ENV = "web/shop"
+# What a random shopper searches for on the search page; every other step clicks a random clickable.
+WEB_SEARCHES = tuple(
+    f"search[{words}]"
+    for words in (
+        "wool socks",
+        "vegan red lipstick",
+        "ergonomic office chair",
+        "organic green tea",
+        "waterproof bluetooth speaker",
+        "slim fit dress shirt",
+        "queen bed frame easy assembly",
+    )
+)
+WEB_POLICY = Policy(max_steps=15, refresh=True, open_text=WEB_SEARCHES)  # 15: the env's default turns
+# One action kind at a time: a search from the search page, then a click on its first product, then
+# "Back to Search" (also a click), so each latency is of one kind.
+WEB_CYCLE = ("search", "product", "back")
+
+
+def shop_cycle_action(kind: str, available: list[str] | None, rng: random.Random) -> str:
+    if kind == "search":
+        return rng.choice(WEB_SEARCHES)
+    if kind == "product":
+        assert available, "a results page lists its products"
+        return available[2]  # after "back to search" and "next >": the first product
+    return "click[back to search]"
+
+
+def shop_latencies_in_process(env: Env, seconds: float) -> dict[str, dict[str, float]]:
+    rng, latencies = random.Random(0), {"search": [], "click": []}
+    env.reset(0, env.Options())
+    started, turn = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        kind = WEB_CYCLE[turn % len(WEB_CYCLE)]
+        action = shop_cycle_action(kind, env.available_actions(), rng)
+        before = time.perf_counter()
+        assert env.step(action).info["valid"], action
+        latencies["search" if kind == "search" else "click"].append(time.perf_counter() - before)
+        turn += 1
+    return {kind: latency(values) for kind, values in latencies.items()}
+
+
+async def shop_latencies_over_http(client: EnvClient, seconds: float) -> dict[str, dict[str, float]]:
+    rng, latencies = random.Random(0), {"search": [], "click": []}
+    instance = (await client.create(WEB_ENV, seed=0)).instance_id
+    started, turn, available = time.perf_counter(), 0, None
+    while time.perf_counter() - started < seconds:
+        kind = WEB_CYCLE[turn % len(WEB_CYCLE)]
+        action = shop_cycle_action(kind, available, rng)
+        before = time.perf_counter()
+        result = await client.step(instance, action)
+        latencies["search" if kind == "search" else "click"].append(time.perf_counter() - before)
+        assert result.info["valid"], action
+        available = await client.available_actions(instance)
+        turn += 1
+    await client.close(instance)
+    return {kind: latency(values) for kind, values in latencies.items()}
+
+
+async def page_latencies(server_url: str, client: EnvClient, count: int) -> dict[str, float]:
+    """GETs of the shop's HTML pages, as a person's browser makes them: the results page of a search."""
+    import aiohttp
+
+    instance = (await client.create(WEB_ENV, seed=0)).instance_id
+    await client.step(instance, WEB_SEARCHES[0])
+    seconds = []
+    async with aiohttp.ClientSession() as http:
+        for index in range(count):
+            before = time.perf_counter()
+            query = WEB_SEARCHES[index % len(WEB_SEARCHES)][7:-1]
+            async with http.get(f"{server_url}/shop/{instance}/search", params={"q": query}) as response:
+                assert response.status == 200
+                await response.read()
+            seconds.append(time.perf_counter() - before)
+    await client.close(instance)
+    return latency(seconds)
+
+
+async def run_web(args: argparse.Namespace) -> dict[str, Any]:
+    """Server starts (cold, warm), search and click latency in-process and over HTTP, steps/s."""
+    from env_server.envs.search.retriever import Retriever
+    from env_server.envs.web.catalog import generate_catalog, product_passages
+    from env_server.envs.web.shop import ShopData, ShopEnv
+
+    results: dict[str, Any] = {"max_turns": WEB_POLICY.max_steps}
+    started = time.perf_counter()
+    catalog = generate_catalog()
+    generated = time.perf_counter()
+    shop = ShopData(catalog, Retriever(product_passages(catalog.products.values())))
+    results["in_process_load"] = {
+        "catalog_s": generated - started,
+        "index_in_memory_s": time.perf_counter() - generated,
+        "products": len(catalog.products),
+        "goals": {split: len(goals) for split, goals in catalog.goals.items()},
+    }
+    env = ShopEnv(shop)
+    results["actions_in_process"] = shop_latencies_in_process(env, args.seconds)
+    results["step_in_process"] = play_in_process(env, WEB_POLICY, args.seconds)
+    with tempfile.TemporaryDirectory(prefix="bench-web-") as folder:
+        environ = {"STARGYM_CACHE_DIR": folder}
+        root = args.server_root.resolve()
+        with EnvServerProcess(WEB_ENV, root=root, environ=environ) as server:
+            results["server_start"] = {"cold_s": server.start_s}
+        with EnvServerProcess(WEB_ENV, root=root, environ=environ) as server:
+            results["server_start"] |= {"warm_s": server.start_s, "rss_mib": server.rss_bytes() / 2**20}
+            print(
+                f"  web: actions and steps on {server.url} ({args.seconds:g} s per configuration)", flush=True
+            )
+            async with EnvClient(server.url, timeout=60.0) as client:
+                results["actions_over_http"] = await shop_latencies_over_http(client, args.seconds)
+                results["pages_over_http"] = await page_latencies(server.url, client, 200)
+                results["clients"] = []
+                for concurrency in args.web_concurrency:
+                    episodes = await make_episodes(
+                        client, WEB_ENV, concurrency, concurrency * 1000, WEB_POLICY
+                    )
+                    row = await bench_single(client, server, episodes, args.seconds)
+                    row["ratio_to_in_process"] = (
+                        row["steps_per_s"] / results["step_in_process"]["steps_per_s"]
+                    )
+                    results["clients"].append(row)
+    return results
+
+
+def render_web(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    load = results["in_process_load"]
+    console.print(
+        f"web/shop: {load['products']:,} products generated in {load['catalog_s']:.2f} s, indexed in memory "
+        f"in {load['index_in_memory_s']:.2f} s; server start (spawn to healthy) "
+        f"{results['server_start']['cold_s']:.2f} s cold, {results['server_start']['warm_s']:.2f} s with the "
+        f"index cached, RSS {results['server_start']['rss_mib']:.0f} MiB"
+    )
+    table = Table(
+        title=f"web/shop: action latency and steps/s, {results['machine']['cpus']} cores",
+        caption="search: from the search page; click: a result's product, then Back to Search; page: a GET "
+        "of a results page's HTML; steps: random clickables (a search where there is a search bar), "
+        f"reset after {results['max_turns']} turns, one instance per client",
+    )
+    for column in ("what", "clients", "per s", "× in-process", "p50 ms", "p99 ms", "server CPU ms/step"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    for kind in ("search", "click"):
+        here, there = results["actions_in_process"][kind], results["actions_over_http"][kind]
+        table.add_row(kind, "in-process", "", "1", f"{here['p50_ms']:.2f}", f"{here['p99_ms']:.2f}")
+        table.add_row(
+            kind,
+            "1",
+            "",
+            f"{there['p50_ms'] / here['p50_ms']:.2f}",
+            f"{there['p50_ms']:.2f}",
+            f"{there['p99_ms']:.2f}",
+        )
+    pages = results["pages_over_http"]
+    table.add_row("page (HTML)", "1", "", "", f"{pages['p50_ms']:.2f}", f"{pages['p99_ms']:.2f}")
+    in_process = results["step_in_process"]
+    table.add_row(
+        "steps",
+        "in-process",
+        f"{in_process['steps_per_s']:,.0f}",
+        "1",
+        f"{in_process['p50_ms']:.2f}",
+        f"{in_process['p99_ms']:.2f}",
+    )
+    for row in results["clients"]:
+        table.add_row(
+            "steps over HTTP",
+            str(row["concurrency"]),
+            f"{row['steps_per_s']:,.0f}",
+            f"{row['ratio_to_in_process']:.3f}",
+            f"{row['p50_ms']:.2f}",
+            f"{row['p99_ms']:.2f}",
+            f"{row['server_cpu_ms_per_step']:.3f}",
+        )
+    console.print(table)
+
+
+def bench_web(args: argparse.Namespace) -> int:
+    """``--family web``: run, print, write ``--web-out``."""
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    results = run_loop(run_web(args), args.uvloop)
+    results = {
+        "env": WEB_ENV,
+        "machine": machine(load_before),
+        "server_root": str(args.server_root.resolve()),
+        "seconds_per_configuration": args.seconds,
+        "seconds_in_all": round(time.perf_counter() - started, 1),
+        "ratio_note": "HTTP latency or steps/s against the same env in this process (same catalog and index)",
+        **results,
+    }
+    render_web(results)
+    write(args.web_out, results)
+    return 0
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -1189,9 +1406,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--family",
-        choices=["game", "embodied", "search", "all"],
+        choices=["game", "embodied", "search", "web", "all"],
         default="all",
-        help="The env family to benchmark (game: --env; embodied: BabyAI and ScienceWorld; search: SearchQA).",
+        help="The env family to benchmark (game: --env; embodied: BabyAI and ScienceWorld; search: SearchQA; "
+        "web: the shop).",
     )
     parser.add_argument(
         "--env",
@@ -1228,6 +1446,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--search-out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server_search.json"
+    )
+    parser.add_argument(
+        "--web-concurrency", type=_ints, default=[1, 16], help="Concurrent clients of the web env."
+    )
+    parser.add_argument(
+        "--web-out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server_web.json"
     )
     return parser.parse_args()
 
@@ -1299,6 +1523,8 @@ def main() -> int:
         failed |= bench_embodied(args)
     if args.family in ("search", "all"):
         failed |= bench_search(args)
+    if args.family in ("web", "all"):
+        failed |= bench_web(args)
     return failed
 
 

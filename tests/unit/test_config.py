@@ -36,6 +36,9 @@ def test_the_expected_recipes_exist() -> None:
         "babyai-qwen2.5-7b-gpu",
         "sciworld-qwen2.5-7b-gpu",
         "searchqa-qwen2.5-7b-gpu",
+        "searchqa-tiny",
+        "webshop-qwen2.5-7b-gpu",
+        "webshop-tiny",
     } <= names
 
 
@@ -84,6 +87,12 @@ def test_recipes_say_what_the_issue_says() -> None:
     searchqa = by_name["searchqa-qwen2.5-7b-gpu"]  # SearchQA 5/8/10
     assert searchqa.curriculum.horizon_schedule == [(0, 5), (100, 8), (200, 10)]
     assert (searchqa.rollout.group_size, searchqa.rollout.groups_per_batch) == (4, 32)
+    for name in ("searchqa-tiny", "searchqa-qwen2.5-7b-gpu"):  # eval on held-out questions, never train's
+        assert (by_name[name].envs.mix[0].held_out_options or {}).get("split", "train") != "train", name
+    webshop = by_name["webshop-qwen2.5-7b-gpu"]  # AgentGym-RL's web schedule 8/12/15 every 80; WebShop's 15
+    assert webshop.curriculum.horizon_schedule == [(0, 8), (80, 12), (160, 15)]
+    assert webshop.envs.mix[0].held_out_options == {"split": "dev"}
+    assert by_name["webshop-tiny"].envs.mix[0].options == {"split": "train", "start": "results"}
     sokoban = by_name["sokoban-qwen2.5-0.5b-gpu"]
     assert sokoban.preset == "starpo_s" and sokoban.starpo_s.filter.enabled
     assert (sokoban.rollout.groups_per_batch, sokoban.rollout.group_size) == (8, 16)
