@@ -92,6 +92,8 @@ def test_goal_splits_are_disjoint_by_product_and_read_like_webshop(shop: ShopDat
         and not asins["train"] & asins["dev"]
         and not asins["dev"] & asins["test"]
     )
+    # consecutive seeds pick goals of every type, not of the catalog's first few
+    assert len({shop.catalog.products[g.asin].query for g in goals["dev"][:200]}) == len(PRODUCT_TYPES)
     goal = goals["test"][0]
     product = shop.catalog.products[goal.asin]
     assert goal.instruction.endswith(f"and price lower than {goal.price_upper:.2f} dollars")

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from env_server.envs.search.corpus import Passage
 from env_server.envs.search.facts import DEFAULT_SPLITS, split_of
+from env_server.envs.search.facts_questions import stable_hash
 from env_server.envs.web.catalog_tables import BRANDS, PRODUCT_TYPES, REVIEW_LINES, TITLE_STYLES, ProductType
 
 PRODUCTS_PER_TYPE = 260
@@ -211,10 +212,14 @@ def make_goal(product: Product, rng: random.Random, instruction: str | None = No
 
 
 def split_goals(goals: Iterable[Goal]) -> dict[str, list[Goal]]:
-    """Goals by the split of their product's ASIN (:func:`env_server.envs.search.facts.split_of`)."""
+    """Goals by the split of their product's ASIN (:func:`env_server.envs.search.facts.split_of`),
+    each split in an order shuffled by a hash of the ASIN: the catalog lists its products type by
+    type, and a run of consecutive seeds (a held-out range) must not be one or two product types."""
     splits: dict[str, list[Goal]] = {name: [] for name in DEFAULT_SPLITS}
     for goal in goals:
         splits[split_of(f"shop/{goal.asin}")].append(goal)
+    for split in splits.values():
+        split.sort(key=lambda goal: stable_hash(f"shop-order/{goal.asin}"))
     return splits
 
 
