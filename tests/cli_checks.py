@@ -24,6 +24,7 @@ from deploy.train import load_train_config
 from env_server.envs.embodied.jvm_pool import JvmPoolSettings
 from env_server.envs.search.facts import cache_root
 from env_server.envs.search.searchqa import SearchSettings
+from env_server.envs.web.shop import WebSettings
 from rollout_server.engine.settings import EngineSettings
 from rollout_server.settings import WorkerSettings
 from services.contracts import ENGINE_PORT, FAMILY_PORTS, ROLLOUT_PORT, TRAINER_PORT
@@ -53,10 +54,14 @@ SUBCOMMAND_SETTINGS: dict[tuple[str, ...], type[BaseSettings]] = {
 FAMILY_SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
     "embodied": (JvmPoolSettings,),
     "search": (SearchSettings,),
+    "web": (WebSettings,),
 }
 # Variables an env family's code reads from os.environ itself, not through a settings class, and
 # the function that reads each: given the variable, it must return the value.
-FAMILY_VARIABLES: dict[str, dict[str, Callable[[], object]]] = {"search": {"STARGYM_CACHE_DIR": cache_root}}
+FAMILY_VARIABLES: dict[str, dict[str, Callable[[], object]]] = {
+    "search": {"STARGYM_CACHE_DIR": cache_root},
+    "web": {"STARGYM_CACHE_DIR": cache_root},  # the shop's search index, cached as the search family's
+}
 
 # What the embodied env server's memory limit must hold, measured: the Python server was 310 MiB
 # resident after five ScienceWorld gold paths; a JVM with all of its heap committed

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -93,23 +93,21 @@ class WebSettings(BaseSettings):
         return self
 
 
-@dataclass(frozen=True)
 class ShopData:
     """What every instance of a process shares: the catalog and its search index."""
 
-    catalog: Catalog
-    retriever: Retriever
-
-    def __post_init__(self) -> None:
+    def __init__(self, catalog: Catalog, retriever: Retriever) -> None:
+        self.catalog = catalog
+        self.retriever = retriever
         # Cached per process: a results page renders its search again at every click on it.
-        object.__setattr__(self, "search", functools.lru_cache(maxsize=SEARCH_CACHE)(self._search))
+        self.search: Callable[[str], list[Product]] = functools.lru_cache(maxsize=SEARCH_CACHE)(self._search)
 
     def _search(self, query: str) -> list[Product]:
         products = self.catalog.products
         return [products[passage.id] for passage in self.retriever.search(query, MAX_RESULTS)]
 
     def view(self, goal: Goal) -> ShopView:
-        return ShopView(self.catalog.products, goal, self.search)  # type: ignore[attr-defined]
+        return ShopView(self.catalog.products, goal, self.search)
 
 
 _SHARED: ShopData | None = None
