@@ -1179,20 +1179,33 @@ def render_search(results: dict[str, Any]) -> None:
 
 def bench_search(args: argparse.Namespace) -> int:
     """``--family search``: run, print, write ``--search-out``."""
+    note = "HTTP steps/s divided by one client's steps/s in this process (same replies, same index)"
+    return run_family(args, SEARCH_ENV, run_search, render_search, args.search_out, note)
+
+
+def run_family(
+    args: argparse.Namespace,
+    env_id: str,
+    runner: Callable[[argparse.Namespace], Any],
+    renderer: Callable[[dict[str, Any]], None],
+    out: Path,
+    ratio_note: str,
+) -> int:
+    """Run one family's measurements, add what every result file says (machine, timing), print, write."""
     load_before = os.getloadavg()
     started = time.perf_counter()
-    results = run_loop(run_search(args), args.uvloop)
+    results = run_loop(runner(args), args.uvloop)
     results = {
-        "env": SEARCH_ENV,
+        "env": env_id,
         "machine": machine(load_before),
         "server_root": str(args.server_root.resolve()),
         "seconds_per_configuration": args.seconds,
         "seconds_in_all": round(time.perf_counter() - started, 1),
-        "ratio_note": "HTTP steps/s divided by one client's steps/s in this process (same replies, same index)",
+        "ratio_note": ratio_note,
         **results,
     }
-    render_search(results)
-    write(args.search_out, results)
+    renderer(results)
+    write(out, results)
     return 0
 
 
@@ -1380,21 +1393,8 @@ def render_web(results: dict[str, Any]) -> None:
 
 def bench_web(args: argparse.Namespace) -> int:
     """``--family web``: run, print, write ``--web-out``."""
-    load_before = os.getloadavg()
-    started = time.perf_counter()
-    results = run_loop(run_web(args), args.uvloop)
-    results = {
-        "env": WEB_ENV,
-        "machine": machine(load_before),
-        "server_root": str(args.server_root.resolve()),
-        "seconds_per_configuration": args.seconds,
-        "seconds_in_all": round(time.perf_counter() - started, 1),
-        "ratio_note": "HTTP latency or steps/s against the same env in this process (same catalog and index)",
-        **results,
-    }
-    render_web(results)
-    write(args.web_out, results)
-    return 0
+    note = "HTTP latency or steps/s against the same env in this process (same catalog and index)"
+    return run_family(args, WEB_ENV, run_web, render_web, args.web_out, note)
 
 
 # -- main ------------------------------------------------------------------------------------

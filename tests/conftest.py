@@ -54,6 +54,24 @@ def game_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
     stop_server(server.process)
 
 
+CHROMIUM = "/usr/bin/chromium"  # Debian's, driven by playwright: no browser download
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    """One headless Chromium for the browser tests (the dashboard's, the shop's)."""
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        yield launched
+        launched.close()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[LocalRedis]:
     """A private ``redis-server`` for the session: loopback, a free port, nothing on disk.

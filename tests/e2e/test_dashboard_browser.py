@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -36,27 +35,14 @@ from deploy.up import bring_up
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(10 * 60)]
 
-CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = REPO_ROOT / "test-output" / "dashboard"
 TOKEN = "dashboard-test-token"
 PAGE_DEADLINE_MS = 20_000
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)"
-        )
+@pytest.fixture(scope="module", autouse=True)
+def screenshots() -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
-        )
-        yield browser
-        browser.close()
 
 
 class Page:

@@ -10,7 +10,6 @@ as the agent acts. Screenshots go to ``test-output/web-shop/``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +19,6 @@ from env_server.envs.web.catalog import Catalog, generate_catalog
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(10 * 60)]
 
-CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = REPO_ROOT / "test-output" / "web-shop"
 PAGE_DEADLINE_MS = 20_000
 CLICKABLE = "a, button"
@@ -41,21 +39,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     stop_server(running.process)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)"
-        )
+@pytest.fixture(scope="module", autouse=True)
+def screenshots() -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
-        )
-        yield launched
-        launched.close()
 
 
 @pytest.fixture(scope="module")
