@@ -7,12 +7,14 @@ proves, in the order a user meets it:
 
 * the images build from the compose file's ``build`` sections (cached between runs: podman reuses
   layers whose inputs did not change), the embodied env server's with Java;
-* redis, env-game, env-embodied, env-search, trainer-cpu, engine and rollout-cpu come up healthy. podman 4.3
-  ignores ``depends_on: condition: service_healthy``, so the test brings them up in dependency order
-  and runs each container's own health check until it passes;
+* redis, env-game, env-embodied, env-search, env-web, trainer-cpu, engine and rollout-cpu come up
+  healthy. podman 4.3 ignores ``depends_on: condition: service_healthy``, so the test brings them up
+  in dependency order and runs each container's own health check until it passes;
 * env instances are created and stepped through the published env ports: a FrozenLake game, a
-  BabyAI level, a ScienceWorld task (a JVM in the container) and a SearchQA question (the search
-  server's index, built in the container before it listens);
+  BabyAI level, a ScienceWorld task (a JVM in the container), a SearchQA question (the search
+  server's index, built in the container before it listens) and a WebShop search (the shop's
+  catalog and index, made there too), whose watch page and current page answer as HTML on the
+  same published port;
 * the trainer issues jobs, the worker plays them against the engine and env containers, and the
   trajectories come back through Redis: at least 3 updates;
 * the dashboard answers on its published port and sees the worker over the compose network;
@@ -25,6 +27,7 @@ user's own stack on 8101/8300 is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,8 +45,6 @@ from conftest import wait_until
 
 from deploy.launcher import free_port
 
-pytestmark = [pytest.mark.compose, pytest.mark.slow]
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUIRE_COMPOSE = os.environ.get("STARGYM_REQUIRE_COMPOSE") == "1"
 BASE_IMAGE = os.environ.get("STARGYM_TEST_BASE_IMAGE", "localhost/stargym-base:bookworm")
@@ -51,6 +52,9 @@ REDIS_IMAGE = "localhost/stargym-test-redis:latest"
 REDIS_DOCKERFILE = Path(__file__).with_name("compose_redis.Dockerfile")
 PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")
 BUILD_DEADLINE_S = 30 * 60  # a cold build fetches ~1 GB of wheels; a cached one takes seconds
+# pytest-timeout counts the module fixture's image build in the first test: a dependency change
+# rebuilds the deps layer (505 s measured), which with the stack's 3 updates overran the suite's 600 s.
+pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(BUILD_DEADLINE_S + 10 * 60)]
 START_DEADLINE_S = 5 * 60
 UPDATES = 3
 # A dependency that is not up yet can make a service exit once or twice before its restart policy
@@ -163,6 +167,7 @@ def project() -> Iterator[ComposeProject]:
         "STARGYM_ENV_GAME_PORT": str(free_port()),
         "STARGYM_ENV_EMBODIED_PORT": str(free_port()),
         "STARGYM_ENV_SEARCH_PORT": str(free_port()),
+        "STARGYM_ENV_WEB_PORT": str(free_port()),
         "STARGYM_DASHBOARD_PORT": str(free_port()),
         "STARGYM_LOG_LEVEL": "info",
     }
@@ -187,24 +192,38 @@ def project() -> Iterator[ComposeProject]:
         compose.compose("down", "-v", "-t", "1", deadline_s=300)
 
 
-def play_one_step(project: ComposeProject, port_variable: str, create: dict, action: str) -> tuple[str, dict]:
-    """Create an instance through a published env port, take one action and close it: the first
-    observation and the step's result."""
+@contextlib.contextmanager
+def env_instance(
+    project: ComposeProject, port_variable: str, create: dict
+) -> Iterator[tuple[httpx.Client, str, str]]:
+    """An instance created through a published env port, closed on leaving: a client of that port,
+    the instance's id and its first observation."""
     env_url = f"http://127.0.0.1:{project.env[port_variable]}"
     # A ScienceWorld create starts a JVM (~3 s) and loads the task (~2 s) on a busy 2-core machine.
     with httpx.Client(base_url=env_url, timeout=60.0) as env:
         created = env.post("/instances", json=create)
         assert created.status_code == 201, created.text
         instance = created.json()["instance_id"]
-        stepped = env.post(f"/instances/{instance}/step", json={"action": action})
-        assert stepped.status_code == 200, stepped.text
+        yield env, instance, created.json()["observation"]
         assert env.delete(f"/instances/{instance}").status_code in (200, 204)
-    return created.json()["observation"], stepped.json()
+
+
+def take_step(env: httpx.Client, instance: str, action: str) -> dict:
+    stepped = env.post(f"/instances/{instance}/step", json={"action": action})
+    assert stepped.status_code == 200, stepped.text
+    return stepped.json()
+
+
+def play_one_step(project: ComposeProject, port_variable: str, create: dict, action: str) -> tuple[str, dict]:
+    """Create an instance through a published env port, take one action and close it: the first
+    observation and the step's result."""
+    with env_instance(project, port_variable, create) as (env, instance, first):
+        return first, take_step(env, instance, action)
 
 
 def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> None:
     started = time.monotonic()
-    project.up("redis", "env-game", "env-embodied", "env-search")
+    project.up("redis", "env-game", "env-embodied", "env-search", "env-web")
     play_one_step(project, "STARGYM_ENV_GAME_PORT", {"env": "game/frozenlake", "seed": 3}, "down")
     embodied = "STARGYM_ENV_EMBODIED_PORT"
     first, step = play_one_step(project, embodied, {"env": "embodied/babyai", "seed": 3}, "turn left")
@@ -219,6 +238,15 @@ def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> N
     )
     assert first.startswith("Question: "), first
     assert step["observation"].startswith("<information>Doc 1(Title: "), step
+    # The shop searches its catalog's index; a person watches the agent on the same published port.
+    with env_instance(project, "STARGYM_ENV_WEB_PORT", {"env": "web/shop", "seed": 0}) as (web, shop, first):
+        assert first.startswith("WebShop [SEP] Instruction: [SEP] "), first
+        step = take_step(web, shop, "search[wool socks]")
+        assert step["info"]["valid"] and "Wool Socks" in step["observation"], step
+        for path, words in (("", f"watching {shop}"), (step["info"]["url"], "results for wool socks")):
+            page = web.get(f"/shop/{shop}/{path}")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page
+            assert words in page.text, page.text[:2000]
     print(f"env servers answered after {time.monotonic() - started:.0f} s", file=sys.stderr)
 
     project.up("trainer-cpu")  # makes the tiny model the engine serves, then answers /health

@@ -7,7 +7,8 @@ chosen values) and checked for what a schema cannot see: each stargym service's 
 it reads, every URL it is given names a service of its stack listening there, the workers and the
 trainers know every env server, health checks and dependencies line up, and only the dashboard and the
 env servers are published. Java goes into the embodied env server's image only, with its JVMs' heap
-capped below the container's memory; the search env server keeps its index on a volume of its own.
+capped below the container's memory; the search and web env servers keep their indexes on volumes of
+their own.
 .env.example must document exactly the variables the file reads.
 The Dockerfiles pass hadolint.
 ``tests/e2e/test_compose.py`` brings the cpu profile up for real.
@@ -58,6 +59,7 @@ PROFILES = {
     "env-game": set(),
     "env-embodied": set(),
     "env-search": set(),
+    "env-web": set(),
     "vllm": {"gpu"},
     "rollout": {"gpu"},
     "trainer": {"gpu"},
@@ -69,6 +71,7 @@ PUBLISHED = {
     "env-game": "STARGYM_ENV_GAME_PORT",
     "env-embodied": "STARGYM_ENV_EMBODIED_PORT",
     "env-search": "STARGYM_ENV_SEARCH_PORT",
+    "env-web": "STARGYM_ENV_WEB_PORT",
     "trainer": "STARGYM_DASHBOARD_PORT",
 }
 PUBLISHED["trainer-cpu"] = PUBLISHED["trainer"]
@@ -82,6 +85,7 @@ STARGYM_BIND_ADDRESS=0.0.0.0
 STARGYM_ENV_GAME_PORT=9101
 STARGYM_ENV_EMBODIED_PORT=9102
 STARGYM_ENV_SEARCH_PORT=9103
+STARGYM_ENV_WEB_PORT=9104
 STARGYM_SCIWORLD_POOL_SIZE=8
 STARGYM_ENV_EMBODIED_MEMORY=6g
 STARGYM_DASHBOARD_PORT=9300
@@ -485,7 +489,7 @@ def test_the_workers_and_the_trainers_know_every_env_server(
             if is_stargym(service)
             for family in served_families(service)
         }
-        assert set(served) == {"game", "embodied", "search"}, profile
+        assert set(served) == {"game", "embodied", "search", "web"}, profile
         for name, service in stack.items():
             if not is_stargym(service):
                 continue
@@ -647,6 +651,7 @@ def test_only_the_dashboard_and_the_env_servers_are_published(variables: dict[st
         "STARGYM_ENV_GAME_PORT": str(FAMILY_PORTS["game"]),
         "STARGYM_ENV_EMBODIED_PORT": str(FAMILY_PORTS["embodied"]),
         "STARGYM_ENV_SEARCH_PORT": str(FAMILY_PORTS["search"]),
+        "STARGYM_ENV_WEB_PORT": str(FAMILY_PORTS["web"]),
         "STARGYM_DASHBOARD_PORT": str(TRAINER_PORT),
     }
     for name, service in config["services"].items():
@@ -675,12 +680,12 @@ def test_vllm_serves_the_reload_routes_on_the_compose_network_only() -> None:
     assert "ports" not in vllm and "network_mode" not in vllm
 
 
-def test_named_volumes_hold_the_data_redis_and_the_search_index(
+def test_named_volumes_hold_the_data_redis_and_the_search_indexes(
     variables: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = load_compose(variables)
     declared = set(config["volumes"])
-    assert declared == {"data", "redis-data", "search-cache"}
+    assert declared == {"data", "redis-data", "search-cache", "web-cache"}
     for name, service in config["services"].items():
         for target, (source, _) in volume_mounts(service).items():
             if not source.startswith((".", "/", "~")):
@@ -691,13 +696,15 @@ def test_named_volumes_hold_the_data_redis_and_the_search_index(
         assert volume_mounts(config["services"][name])["/data"][0] == "data", name
     assert volume_mounts(config["services"]["redis"])["/data"] == ("redis-data", False)
     assert flag_value(command(config["services"]["redis"]), "--appendonly") == "yes"
-    # The search server caches its dataset and index on its own volume: a restart does not rebuild.
-    # Mounted at the image's /data, which the stargym user owns, so a new volume starts writable.
-    search = config["services"]["env-search"]
-    assert volume_mounts(search)["/data"] == ("search-cache", False)
-    with monkeypatch.context() as patch:
-        patch.setenv("STARGYM_CACHE_DIR", container_environment(search)["STARGYM_CACHE_DIR"])
-        assert cache_root().is_relative_to("/data")
+    # The search server caches its dataset and index, the web server its catalog's index, each on
+    # its own volume: a restart does not rebuild. Mounted at the image's /data, which the stargym
+    # user owns, so a new volume starts writable.
+    for name, volume in (("env-search", "search-cache"), ("env-web", "web-cache")):
+        server = config["services"][name]
+        assert volume_mounts(server)["/data"] == (volume, False), name
+        with monkeypatch.context() as patch:
+            patch.setenv("STARGYM_CACHE_DIR", container_environment(server)["STARGYM_CACHE_DIR"])
+            assert cache_root().is_relative_to("/data"), name
 
 
 # -- the tests: the Dockerfiles ----------------------------------------------------------------------

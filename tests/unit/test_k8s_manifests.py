@@ -350,6 +350,7 @@ def test_base_runs_several_env_servers_and_workers_one_trainer_and_redis() -> No
     assert find(base, "Deployment", "env-game")["spec"]["replicas"] >= 2
     assert find(base, "Deployment", "env-embodied")["spec"]["replicas"] >= 1
     assert find(base, "Deployment", "env-search")["spec"]["replicas"] >= 1
+    assert find(base, "Deployment", "env-web")["spec"]["replicas"] >= 1
     assert find(base, "Deployment", "rollout")["spec"]["replicas"] >= 2
     assert find(base, "Deployment", "vllm")["spec"]["replicas"] == 1
     assert find(base, "StatefulSet", "trainer")["spec"]["replicas"] == 1
@@ -359,7 +360,7 @@ def test_base_runs_several_env_servers_and_workers_one_trainer_and_redis() -> No
 @pytest.mark.parametrize("build", BUILDS)
 def test_scaled_servers_are_found_through_headless_services(build: str) -> None:
     objects = rendered(build)
-    scaled = {"env-game", "env-embodied", "env-search", "engine" if build == "cpu" else "vllm"}
+    scaled = {"env-game", "env-embodied", "env-search", "env-web", "engine" if build == "cpu" else "vllm"}
     assert scaled <= names(objects, "Service")
     for service in scaled:
         assert find(objects, "Service", service)["spec"]["clusterIP"] == "None", service
@@ -472,6 +473,7 @@ def test_every_url_names_a_service_of_the_build_on_the_right_port(build: str) ->
         "http://env-game:8101",
         "http://env-embodied:8102",
         "http://env-search:8103",
+        "http://env-web:8104",
     }
     for client, url in urls:
         parts = urlsplit(url)
@@ -548,12 +550,16 @@ def test_the_readme_patch_grows_the_jvm_pool_within_its_memory(
     assert embodied_memory_mib(pool) <= quantity_mib(container["resources"]["limits"]["memory"])
 
 
+@pytest.mark.parametrize("server", ["env-search", "env-web"])
 @pytest.mark.parametrize("build", BUILDS)
-def test_the_search_env_server_caches_its_index_on_a_volume_it_can_write(build: str) -> None:
-    """Its dataset and index (11 MB, 5.8 s to build cold) go to STARGYM_CACHE_DIR: an emptyDir there,
-    writable by any uid, outlives a container restart, which then reads them instead (3.6 s)."""
+def test_the_search_and_web_env_servers_cache_their_indexes_on_a_volume_they_can_write(
+    build: str, server: str
+) -> None:
+    """Search's dataset and index (11 MB, 5.8 s to build cold) and web's catalog index (1.4 MB) go to
+    STARGYM_CACHE_DIR: an emptyDir there, writable by any uid, outlives a container restart, which
+    then reads them instead (search: 3.6 s)."""
     objects = rendered(build)
-    spec = pod_template(find(objects, "Deployment", "env-search"))["spec"]
+    spec = pod_template(find(objects, "Deployment", server))["spec"]
     (container,) = spec["containers"]
     values = env_values(container, secret_data(objects))
     with pytest.MonkeyPatch.context() as patch:
@@ -596,7 +602,7 @@ def test_the_api_token_reaches_every_service(build: str) -> None:
         if name == "rollout":
             expected |= {"STARGYM_ROLLOUT_ENV_API_TOKEN", "STARGYM_ROLLOUT_ENGINE_API_TOKEN"}
         assert from_secret(container) == expected, name
-    assert seen >= {"env-game", "env-embodied", "env-search", "rollout", "trainer"}
+    assert seen >= {"env-game", "env-embodied", "env-search", "env-web", "rollout", "trainer"}
     if build != "cpu":
         vllm = pod_template(find(objects, "Deployment", "vllm"))["spec"]["containers"][0]
         assert from_secret(vllm) == {"VLLM_API_KEY"}
@@ -685,6 +691,7 @@ def test_network_policies_let_through_only_who_needs_it(build: str) -> None:
         "env-game": ({"rollout", "trainer"}, {FAMILY_PORTS["game"]}),
         "env-embodied": ({"rollout", "trainer"}, {FAMILY_PORTS["embodied"]}),
         "env-search": ({"rollout", "trainer"}, {FAMILY_PORTS["search"]}),
+        "env-web": ({"rollout", "trainer"}, {FAMILY_PORTS["web"]}),
         "rollout": ({"trainer"}, {ROLLOUT_PORT}),
         "trainer": ({ANYONE}, {TRAINER_PORT}),
     }

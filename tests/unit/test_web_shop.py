@@ -120,9 +120,7 @@ def test_the_reward_is_webshops_formula(shop: ShopData) -> None:
     half = Goal(
         **{**goal.model_dump(), "query": "x", "product_category": "A › B"}
     )  # only half the nouns match
-    shared = Product(
-        **{**product.model_dump(), "title": "Thing", "type_nouns": (*goal.type_nouns[:1], "zz")}
-    )
+    shared = Product(**{**product.model_dump(), "title": "Thing", "type_nouns": (*goal.type_nouns[:1], "zz")})
     score = purchase_score(shared, goal.options, product.price, half)
     expected = 1.0 if 1 / len(goal.type_nouns) > 0.2 else 0.5
     assert score.r_type == expected
