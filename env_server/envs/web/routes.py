@@ -20,15 +20,15 @@ from fastapi.responses import HTMLResponse
 
 from env_server.envs.web.shop import ShopEnv
 from env_server.envs.web.site import page_at, render_watch
-from env_server.pool import Instance
+from env_server.pool import Instance, InstancePool
 from env_server.routes import PoolDep
 from services.errors import not_found
 
 router = APIRouter(prefix="/shop/{instance_id}", tags=["web: the shop's pages"])
 
 
-def _session(pool: Any, instance_id: str) -> tuple[Instance, ShopEnv]:
-    instance: Instance = pool.get(instance_id)
+def _session(pool: InstancePool, instance_id: str) -> tuple[Instance, ShopEnv]:
+    instance = pool.get(instance_id)
     if not isinstance(instance.env, ShopEnv) or instance.env.goal is None:
         raise not_found("web/shop instance", instance_id)
     return instance, instance.env
