@@ -273,7 +273,7 @@ def test_an_index_past_the_split_is_422(data: SearchData) -> None:
 def test_agentgym_data_idx_counts_test_then_train_then_dev(
     data: SearchData, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(searchqa, "_SHARED", data)
+    monkeypatch.setattr(searchqa.SHARED, "_value", data)
     assert SearchQAEnv.agentgym_task(0) == (0, {"split": "test", "index": 0})
     assert SearchQAEnv.agentgym_task(4) == (4, {"split": "test", "index": 4})
     assert SearchQAEnv.agentgym_task(5) == (5, {"split": "train", "index": 0})
@@ -308,7 +308,7 @@ def test_shared_data_loads_the_users_files(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("STARGYM_SEARCH_CORPUS", str(corpus))
     monkeypatch.setenv("STARGYM_SEARCH_QUESTIONS", str(questions))
     monkeypatch.setenv("STARGYM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(searchqa, "_SHARED", None)
+    monkeypatch.setattr(searchqa.SHARED, "_value", None)
     loaded = searchqa.shared_data()
     assert searchqa.shared_data() is loaded
     assert sorted(q.question for split in loaded.questions.values() for q in split) == sorted(
@@ -329,13 +329,13 @@ def test_an_unreadable_corpus_is_an_env_failure_naming_the_line(
     write_jsonl(questions, QUESTIONS["train"])
     monkeypatch.setenv("STARGYM_SEARCH_CORPUS", str(corpus))
     monkeypatch.setenv("STARGYM_SEARCH_QUESTIONS", str(questions))
-    monkeypatch.setattr(searchqa, "_SHARED", None)
+    monkeypatch.setattr(searchqa.SHARED, "_value", None)
     with pytest.raises(EnvFailure, match=r"corpus\.jsonl:2: not a Passage: text"):
         SearchQAEnv().reset(0, SearchQAOptions())
 
 
 def test_bad_settings_are_an_env_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STARGYM_SEARCH_CORPUS", str(tmp_path / "missing.jsonl"))
-    monkeypatch.setattr(searchqa, "_SHARED", None)
+    monkeypatch.setattr(searchqa.SHARED, "_value", None)
     with pytest.raises(EnvFailure, match=r"search settings: corpus: Path does not point to a file"):
         SearchQAEnv().reset(0, SearchQAOptions())

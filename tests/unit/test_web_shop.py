@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from shop_agents import oracle, random_agent
@@ -223,3 +224,20 @@ def test_start_on_results_skips_the_search(shop: ShopData) -> None:
     env = new_env(shop, 2, start="results")
     assert env.page.kind == "results" and env.available_actions()
     assert env.goal is not None and env.page.query == env.goal.instruction
+
+
+def test_bad_web_settings_are_an_env_failure_naming_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from env_server.core import EnvFailure
+    from env_server.envs.web import shop as shop_module
+
+    monkeypatch.setattr(shop_module.SHARED, "_value", None)
+    monkeypatch.setenv("STARGYM_WEB_CATALOG", str(tmp_path / "items_shuffle.json"))
+    with pytest.raises(EnvFailure, match="web settings: catalog: Path does not point to a file"):
+        ShopEnv().reset(0, ShopOptions())
+    (tmp_path / "items_shuffle.json").write_text("[]")
+    (tmp_path / "items_ins_v2.json").write_text("{}")
+    monkeypatch.setenv("STARGYM_WEB_ATTRIBUTES", str(tmp_path / "items_ins_v2.json"))
+    with pytest.raises(EnvFailure, match="no product with an asin and a name"):
+        ShopEnv().reset(0, ShopOptions())

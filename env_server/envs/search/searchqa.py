@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import re
 import string
-import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FilePath, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from env_server.core import Env, EnvFailure, Observation, Step
+from env_server.core import Env, Observation, Step
 from env_server.envs.search import facts
 from env_server.envs.search.corpus import CorpusFileError, Passage, Question
 from env_server.envs.search.retriever import MAX_QUERY_TERMS, Retriever, query_terms, shared_retriever
-from services.errors import ApiError, validation_problems
+from env_server.shared import ProcessShared
+from services.errors import ApiError
 
 # AgentGym's server numbers its test questions first, then its train questions; dev comes last.
 AGENTGYM_ORDER = ("test", "train", "dev")
@@ -98,29 +98,24 @@ class SearchData:
         return cls(dataset.questions, shared_retriever(dataset.passages, cache_dir))
 
 
-_SHARED: SearchData | None = None
-_SHARED_LOCK = threading.Lock()
+def load_data() -> SearchData:
+    """The data :class:`SearchSettings` say to serve, and its retriever (see :func:`shared_data`)."""
+    settings = SearchSettings()
+    if settings.corpus is not None and settings.questions is not None:
+        dataset = facts.load_dataset(settings.corpus, settings.questions)
+    else:
+        dataset = facts.default_dataset()
+    return SearchData.build(dataset, facts.cache_root())
+
+
+SHARED = ProcessShared("search", load_data, (CorpusFileError,))
 
 
 def shared_data() -> SearchData:
-    """The process's data, loaded by the first caller (others wait for it) as :class:`SearchSettings`
-    say. Bad settings, or a corpus or question file that cannot be read, are an :class:`EnvFailure`
-    (the host answers 502 with its message, which names the setting, or the file and line)."""
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            try:
-                settings = SearchSettings()
-                if settings.corpus is not None and settings.questions is not None:
-                    dataset = facts.load_dataset(settings.corpus, settings.questions)
-                else:
-                    dataset = facts.default_dataset()
-            except ValidationError as exc:
-                raise EnvFailure(f"search settings: {validation_problems(exc, 'settings')}") from None
-            except CorpusFileError as exc:
-                raise EnvFailure(str(exc)) from None
-            _SHARED = SearchData.build(dataset, facts.cache_root())
-        return _SHARED
+    """The process's data, loaded by the first caller as :class:`SearchSettings` say. Bad settings, or
+    a corpus or question file that cannot be read, are an :class:`EnvFailure` (the host answers 502
+    with its message, which names the setting, or the file and line)."""
+    return SHARED.get()
 
 
 class SearchQAOptions(BaseModel):

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, FilePath, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from env_server.core import Env, EnvFailure, Observation, Step
+from env_server.core import Env, Observation, Step
 from env_server.envs.search.facts import cache_root
 from env_server.envs.search.retriever import Retriever, query_terms, shared_retriever
 from env_server.envs.web import catalog as catalogs
@@ -47,7 +46,8 @@ from env_server.envs.web.site import (
     render,
     score_purchase,
 )
-from services.errors import ApiError, validation_problems
+from env_server.shared import ProcessShared
+from services.errors import ApiError
 
 AGENTGYM_ORDER = ("test", "train", "dev")  # AgentGym's session ids: its test goals come first
 ACTION = re.compile(r"^\s*(search|click)\s*\[(.*)\]\s*$", re.DOTALL | re.IGNORECASE)
@@ -110,31 +110,24 @@ class ShopData:
         return ShopView(self.catalog.products, goal, self.search)
 
 
-_SHARED: ShopData | None = None
-_SHARED_LOCK = threading.Lock()
+def load_shop() -> ShopData:
+    """The catalog :class:`WebSettings` say to serve, and its search index (see :func:`shared_shop`)."""
+    settings = WebSettings()
+    if settings.catalog is not None and settings.attributes is not None:
+        catalog = catalogs.load_webshop(settings.catalog, settings.attributes, settings.catalog_seed)
+    else:
+        catalog = catalogs.generate_catalog(settings.catalog_seed)
+    passages = catalogs.product_passages(catalog.products.values())
+    return ShopData(catalog, shared_retriever(passages, cache_root()))
+
+
+SHARED = ProcessShared("web", load_shop, (CatalogFileError,))
 
 
 def shared_shop() -> ShopData:
     """The process's shop, loaded by the first caller as :class:`WebSettings` say. Bad settings or
     unreadable WebShop files are an :class:`EnvFailure` whose message names the setting or file."""
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            try:
-                settings = WebSettings()
-                if settings.catalog is not None and settings.attributes is not None:
-                    catalog = catalogs.load_webshop(
-                        settings.catalog, settings.attributes, settings.catalog_seed
-                    )
-                else:
-                    catalog = catalogs.generate_catalog(settings.catalog_seed)
-            except ValidationError as exc:
-                raise EnvFailure(f"web settings: {validation_problems(exc, 'settings')}") from None
-            except CatalogFileError as exc:
-                raise EnvFailure(str(exc)) from None
-            passages = catalogs.product_passages(catalog.products.values())
-            _SHARED = ShopData(catalog, shared_retriever(passages, cache_root()))
-        return _SHARED
+    return SHARED.get()
 
 
 class ShopOptions(BaseModel):
