@@ -1099,18 +1099,28 @@ async def run_search(args: argparse.Namespace) -> dict[str, Any]:
             results["server_start"]["warm_s"] = server.start_s
             results["server_start"]["rss_mib"] = server.rss_bytes() / 2**20
             print(f"  search: steps on {server.url} ({args.seconds:g} s per configuration)", flush=True)
-            results["clients"] = []
             async with EnvClient(server.url, timeout=60.0) as client:
-                for concurrency in args.search_concurrency:
-                    episodes = await make_episodes(
-                        client, SEARCH_ENV, concurrency, concurrency * 1000, policy
-                    )
-                    row = await bench_single(client, server, episodes, args.seconds)
-                    row["ratio_to_in_process"] = (
-                        row["steps_per_s"] / results["step_in_process"]["steps_per_s"]
-                    )
-                    results["clients"].append(row)
+                results["clients"] = await steps_by_clients(
+                    client, server, args.search_concurrency, policy, args.seconds, results["step_in_process"]
+                )
     return results
+
+
+async def steps_by_clients(
+    client: EnvClient,
+    server: EnvServerProcess,
+    concurrencies: list[int],
+    policy: Policy,
+    seconds: float,
+    in_process: dict[str, float],
+) -> list[dict[str, float]]:
+    """:func:`bench_single` at each number of clients, each row with its ratio to ``in_process``'s rate."""
+    rows = []
+    for concurrency in concurrencies:
+        episodes = await make_episodes(client, server.bench_env, concurrency, concurrency * 1000, policy)
+        row = await bench_single(client, server, episodes, seconds)
+        rows.append(row | {"ratio_to_in_process": row["steps_per_s"] / in_process["steps_per_s"]})
+    return rows
 
 
 def render_search(results: dict[str, Any]) -> None:
@@ -1323,16 +1333,9 @@ async def run_web(args: argparse.Namespace) -> dict[str, Any]:
             async with EnvClient(server.url, timeout=60.0) as client:
                 results["actions_over_http"] = await shop_latencies_over_http(client, args.seconds)
                 results["pages_over_http"] = await page_latencies(server.url, client, 200)
-                results["clients"] = []
-                for concurrency in args.web_concurrency:
-                    episodes = await make_episodes(
-                        client, WEB_ENV, concurrency, concurrency * 1000, WEB_POLICY
-                    )
-                    row = await bench_single(client, server, episodes, args.seconds)
-                    row["ratio_to_in_process"] = (
-                        row["steps_per_s"] / results["step_in_process"]["steps_per_s"]
-                    )
-                    results["clients"].append(row)
+                results["clients"] = await steps_by_clients(
+                    client, server, args.web_concurrency, WEB_POLICY, args.seconds, results["step_in_process"]
+                )
     return results
 
 
