@@ -79,7 +79,8 @@ class DemoReport:
 
 
 def evaluate(config: TrainConfig, model_dir: Path, out_dir: Path) -> EvalSummary:
-    """Play the config's held-out seeds with ``model_dir`` (a CPU engine and env servers of its own)."""
+    """Play the config's held-out seeds, with each env's held-out options, with ``model_dir`` (a CPU
+    engine and env servers of its own)."""
     episodes = config.eval.episodes or len(config.envs.eval_seeds)
     sampling = SamplingParams(
         temperature=config.eval.temperature,
@@ -97,6 +98,7 @@ def evaluate(config: TrainConfig, model_dir: Path, out_dir: Path) -> EvalSummary
         out=out,
         model=model_dir.resolve(),
         action_format=config.rollout.action_format,
+        options={env.id: env.held_out_options for env in config.envs.mix if env.held_out_options},
     )
     results = run_eval(eval_config, Console(stderr=True, quiet=True))
     first: dict[str, int] = {}

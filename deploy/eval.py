@@ -246,11 +246,13 @@ def _check_registered(env_ids: list[str], env_urls: dict[str, str]) -> None:
             raise EvalError(f"unknown env {env_id!r}; registered envs: {', '.join(registered)}")
 
 
-def _parse_options(text: str | None, env_ids: list[str], env_urls: dict[str, str]) -> dict[str, Any] | None:
+def _parse_options(
+    text: str | None, env_ids: list[str], env_urls: dict[str, str]
+) -> dict[str, dict[str, Any]]:
     """``--options``: a JSON object, checked against the options model of every env this run serves
-    itself (a given server checks its envs' options and refuses bad ones with a 422)."""
+    itself (a given server checks its envs' options and refuses bad ones with a 422); by env id."""
     if text is None:
-        return None
+        return {}
     try:
         options = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -269,7 +271,7 @@ def _parse_options(text: str | None, env_ids: list[str], env_urls: dict[str, str
             load_env_path(registered[env_id]).Options.model_validate(options)
         except ValidationError as exc:
             raise EvalError(f"--options for {env_id}: {validation_problems(exc, 'options')}") from None
-    return options
+    return dict.fromkeys(env_ids, options)
 
 
 # -- reporting --------------------------------------------------------------------------------

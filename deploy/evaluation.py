@@ -70,7 +70,7 @@ class EvalPlan:
     action_format: ActionFormat | None = None
     system_prompt: str | None = None
     engine_max_num_seqs: int = 64
-    options: dict[str, Any] | None = None  # env options of every episode; None: each env's defaults
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # env id -> its episodes' options
 
     @property
     def families(self) -> list[str]:
@@ -222,7 +222,7 @@ def make_jobs(config: EvalPlan, max_turns: dict[str, int], run_id: str) -> list[
             sampling=config.sampling.model_copy(update={"seed": config.seed + index}),
             policy_version=0,
             action_format=config.action_format or ("answer_tags" if config.openai_base_url else "plain"),
-            options=config.options,
+            options=config.options.get(env),
         )
         for index in range(config.episodes)
         for env in config.envs
