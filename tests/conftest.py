@@ -57,9 +57,11 @@ def game_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
 CHROMIUM = "/usr/bin/chromium"  # Debian's, driven by playwright: no browser download
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    """One headless Chromium for the browser tests (the dashboard's, the shop's)."""
+    """Headless Chromium for a module of browser tests (the dashboard's, the shop's). Module scope,
+    not session: playwright's sync API keeps an event loop running while it is open, and every
+    asyncio test after it would fail with "Runner.run() cannot be called from a running event loop"."""
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
