@@ -133,6 +133,8 @@ def test_a_damaged_cached_index_is_rebuilt(tmp_path: Path) -> None:
         (folder / path.name).write_bytes(path.read_bytes())
     assert ids(Retriever(FACTS, tmp_path).search("Tbilisi", 1)) == ["city:tbilisi"]
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no staging folder left
+    (folder / "meta.json").unlink()  # a folder tantivy cannot open at all is rebuilt too
+    assert ids(Retriever(FACTS, tmp_path).search("Tbilisi", 1)) == ["city:tbilisi"]
 
 
 def test_one_shared_retriever_per_corpus_safe_across_threads(tmp_path: Path) -> None:

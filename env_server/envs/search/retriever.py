@@ -152,10 +152,14 @@ def _build(passages: list[Passage], path: Path | None) -> tantivy.Index:
 
 def _open_or_build(passages: list[Passage], folder: Path) -> tantivy.Index:
     if folder.is_dir():
-        index = tantivy.Index.open(str(folder))
-        _register_analyzer(index)
-        if index.searcher().num_docs == len(passages):
-            return index
+        try:
+            index = tantivy.Index.open(str(folder))
+        except ValueError:  # files missing (a cut-short copy has no meta.json): tantivy cannot open it
+            index = None
+        if index is not None:
+            _register_analyzer(index)
+            if index.searcher().num_docs == len(passages):
+                return index
         shutil.rmtree(folder, ignore_errors=True)  # damaged (not ours to trust): build it again
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
