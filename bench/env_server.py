@@ -1123,6 +1123,29 @@ async def steps_by_clients(
     return rows
 
 
+STEP_COLUMNS = (
+    "what", "clients", "per s", "× in-process", "p50 ms", "p99 ms",
+    "client CPU ms/step", "server CPU ms/step", "other procs (cores)",
+)  # fmt: skip
+
+
+def add_step_rows(
+    table: Any, what: str, in_process: dict[str, float], clients: list[dict[str, float]]
+) -> None:
+    """The in-process baseline row, then one row per number of clients over HTTP (:data:`STEP_COLUMNS`)."""
+    table.add_row(
+        what, "in-process", f"{in_process['steps_per_s']:,.0f}", "1",
+        f"{in_process['p50_ms']:.2f}", f"{in_process['p99_ms']:.2f}",
+    )  # fmt: skip
+    for row in clients:
+        table.add_row(
+            "steps over HTTP", str(row["concurrency"]), f"{row['steps_per_s']:,.0f}",
+            f"{row['ratio_to_in_process']:.3f}", f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}",
+            f"{row['client_cpu_ms_per_step']:.3f}", f"{row['server_cpu_ms_per_step']:.3f}",
+            f"{row['other_processes_cores']:.1f}",
+        )  # fmt: skip
+
+
 def render_search(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -1151,10 +1174,9 @@ def render_search(results: dict[str, Any]) -> None:
         "the instance's question, 1 in 10 a wrong answer, reset after "
         f"{results['max_turns']} turns; one instance per client",
     )
-    columns = ["what", "clients", "per s", "× in-process", "p50 ms", "p99 ms", "client CPU ms/step"]
-    for column in [*columns, "server CPU ms/step", "other procs (cores)"]:
+    for column in STEP_COLUMNS:
         steps.add_column(column, justify="left" if column == "what" else "right")
-    queries, in_process = results["queries"], results["step_in_process"]
+    queries = results["queries"]
     steps.add_row(
         "retriever queries",
         "in-process",
@@ -1163,26 +1185,7 @@ def render_search(results: dict[str, Any]) -> None:
         f"{queries['p50_ms']:.2f}",
         f"{queries['p99_ms']:.2f}",
     )
-    steps.add_row(
-        "env steps",
-        "in-process",
-        f"{in_process['steps_per_s']:,.0f}",
-        "1",
-        f"{in_process['p50_ms']:.2f}",
-        f"{in_process['p99_ms']:.2f}",
-    )
-    for row in results["clients"]:
-        steps.add_row(
-            "steps over HTTP",
-            str(row["concurrency"]),
-            f"{row['steps_per_s']:,.0f}",
-            f"{row['ratio_to_in_process']:.3f}",
-            f"{row['p50_ms']:.2f}",
-            f"{row['p99_ms']:.2f}",
-            f"{row['client_cpu_ms_per_step']:.3f}",
-            f"{row['server_cpu_ms_per_step']:.3f}",
-            f"{row['other_processes_cores']:.1f}",
-        )
+    add_step_rows(steps, "env steps", results["step_in_process"], results["clients"])
     console.print(steps)
     console.print(f"search server RSS after a warm start: {results['server_start']['rss_mib']:.0f} MiB")
 
@@ -1357,7 +1360,7 @@ def render_web(results: dict[str, Any]) -> None:
         "of a results page's HTML; steps: random clickables (a search where there is a search bar), "
         f"reset after {results['max_turns']} turns, one instance per client",
     )
-    for column in ("what", "clients", "per s", "× in-process", "p50 ms", "p99 ms", "server CPU ms/step"):
+    for column in STEP_COLUMNS:
         table.add_column(column, justify="left" if column == "what" else "right")
     for kind in ("search", "click"):
         here, there = results["actions_in_process"][kind], results["actions_over_http"][kind]
@@ -1372,25 +1375,7 @@ def render_web(results: dict[str, Any]) -> None:
         )
     pages = results["pages_over_http"]
     table.add_row("page (HTML)", "1", "", "", f"{pages['p50_ms']:.2f}", f"{pages['p99_ms']:.2f}")
-    in_process = results["step_in_process"]
-    table.add_row(
-        "steps",
-        "in-process",
-        f"{in_process['steps_per_s']:,.0f}",
-        "1",
-        f"{in_process['p50_ms']:.2f}",
-        f"{in_process['p99_ms']:.2f}",
-    )
-    for row in results["clients"]:
-        table.add_row(
-            "steps over HTTP",
-            str(row["concurrency"]),
-            f"{row['steps_per_s']:,.0f}",
-            f"{row['ratio_to_in_process']:.3f}",
-            f"{row['p50_ms']:.2f}",
-            f"{row['p99_ms']:.2f}",
-            f"{row['server_cpu_ms_per_step']:.3f}",
-        )
+    add_step_rows(table, "steps", results["step_in_process"], results["clients"])
     console.print(table)
 
 
