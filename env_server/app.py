@@ -12,6 +12,7 @@ from prometheus_client import Gauge
 
 from env_server.agentgym import agentgym_router
 from env_server.core import Env
+from env_server.openenv import router as openenv_router
 from env_server.pool import InstancePool
 from env_server.routes import router
 from services.http_app import create_app
@@ -41,7 +42,8 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
     app = create_app(
         f"env server ({', '.join(families)})",
         settings,
-        description="Create, step and close environment instances. AgentGym-compatible routes under /agentgym/.",
+        description="Create, step and close environment instances. AgentGym-compatible routes under "
+        "/agentgym/, OpenEnv WebSocket sessions under /openenv/.",
         lifespan=lifespan,
     )
     app.state.pool = pool
@@ -52,6 +54,7 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
         lambda: pool.reaped_total
     )
     app.include_router(router)
+    app.include_router(openenv_router)
     for env_id, env_class in env_classes.items():
         app.include_router(agentgym_router(env_id, env_class), prefix=f"/agentgym/{env_class.name}")
         for env_router in env_class.routers():

@@ -82,6 +82,7 @@ def serve_command(
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,  # a log line per env step would cost more than the step
+        ws_max_size=settings.max_body_bytes,  # an OpenEnv message is bounded like a request body
         loop="uvloop",
         http="httptools",
     )

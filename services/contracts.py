@@ -13,7 +13,14 @@ from __future__ import annotations
 ACTION_SEPARATOR = "||"
 """Between the actions of one reply, when an env allows several per turn."""
 
-FAMILY_PORTS: dict[str, int] = {"game": 8101, "embodied": 8102, "search": 8103, "web": 8104}
+FAMILY_PORTS: dict[str, int] = {
+    "game": 8101,
+    "embodied": 8102,
+    "search": 8103,
+    "web": 8104,
+    "reasoning": 8105,
+    "textarena": 8106,
+}
 """Default env server port of each env family."""
 ROLLOUT_PORT = 8200
 ENGINE_PORT = 8210

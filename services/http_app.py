@@ -158,6 +158,9 @@ class TokenAuth:
         self.cookie_value = hmac.new(self.token, b"stargym sign-in cookie", hashlib.sha256).hexdigest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -182,6 +185,20 @@ class TokenAuth:
             return
         message = "missing bearer token" if not given else "invalid bearer token"
         await _send_error(send, 401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket (an OpenEnv session) needs the token too: as the bearer header, or as
+        ``?token=`` for clients that cannot set headers. Refused before the handshake completes,
+        which the client sees as HTTP 403."""
+        headers = dict(scope["headers"])
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        given = headers.get(b"authorization", b"")
+        in_query = query.get("token", [""])[-1].encode()
+        if hmac.compare_digest(given, self.expected) or hmac.compare_digest(in_query, self.token):
+            await self.app(scope, receive, send)
+            return
+        await receive()  # the client's websocket.connect
+        await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API token"})
 
     def _cookie_ok(self, header: bytes) -> bool:
         cookies = SimpleCookie()
