@@ -19,6 +19,8 @@ from solvers import solve_frozenlake
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from deploy.integrations.trl import environment_factory, episode_reward
+
 TOKEN = "openenv-test-token"
 
 
@@ -194,3 +196,32 @@ def test_a_session_needs_the_api_token(strict_server: RunningServer) -> None:
         connect(url, additional_headers={"Authorization": "Bearer wrong"}, open_timeout=10)
     with connect(f"{url}?token={TOKEN}", open_timeout=10) as ws:
         assert send(ws, {"type": "reset", "data": {"seed": 1}})["type"] == "observation"
+
+
+def test_trls_environment_factory_plays_an_episode_to_its_reward(game_server: RunningServer) -> None:
+    make_env = environment_factory(game_server.url, env="game/frozenlake", options={"size": 4})
+    environments = [make_env(), make_env()]  # TRL makes one per rollout slot
+    assert [
+        name
+        for name in dir(environments[0])
+        if callable(getattr(environments[0], name)) and not name.startswith("_")
+    ] == ["act", "reset"]  # TRL's tools: every public method but reset
+    for seed, env in zip((5, 6), environments, strict=True):
+        prompt = env.reset(seed=seed, prompt=[{"role": "user", "content": "play"}])
+        assert prompt.startswith(env.instruction) and "Reach G" in prompt
+        for action in solve_frozenlake(prompt.removeprefix(env.instruction).strip()):
+            reply = env.act(action)
+        assert env.done and "episode is over" in reply
+        with pytest.raises(ValueError, match="episode is over"):
+            env.act("left")
+    assert episode_reward(environments) == [1.0, 1.0]
+    environments[0].reset(seed=5)
+    assert (environments[0].reward, environments[0].done, environments[0].turns) == (0.0, False, 0)
+
+
+def test_the_environment_factory_passes_the_api_token(strict_server: RunningServer) -> None:
+    env = environment_factory(strict_server.url, env="game/bandit", token=TOKEN)()
+    assert "arms" in env.reset(seed=1)
+    assert "You pulled" in env.act("Dragon")
+    with pytest.raises(httpx.HTTPStatusError):
+        environment_factory(strict_server.url, env="game/bandit")()

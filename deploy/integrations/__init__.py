@@ -1,0 +1,1 @@
+"""Training on stargym envs from other frameworks, through OpenEnv's protocol (env_server/openenv.py)."""
