@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import RunningServer, free_port, start_server, stop_server, wait_until
+from conftest import REPO_ROOT, RunningServer, free_port, start_server, stop_server, wait_until
 from openenv.core.generic_client import GenericEnvClient
 from solvers import solve_frozenlake
 from websockets.exceptions import InvalidStatus
@@ -225,3 +225,15 @@ def test_the_environment_factory_passes_the_api_token(strict_server: RunningServ
     assert "You pulled" in env.act("Dragon")
     with pytest.raises(httpx.HTTPStatusError):
         environment_factory(strict_server.url, env="game/bandit")()
+
+
+def test_the_readmes_trl_example_plays_to_the_first_reward(game_server: RunningServer) -> None:
+    """The README's TRL block, run as written but for the server's address."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("<!-- readme-example: trl -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert 'ENV_SERVER = "http://localhost:8101"' in block
+    namespace: dict = {}
+    exec(block.replace("http://localhost:8101", game_server.url), namespace)
+    env = namespace["env"]
+    assert env.done and env.turns == 1
+    assert namespace["episode_reward"]([env]) in ([0.0], [1.0])
