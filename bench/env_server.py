@@ -10,7 +10,9 @@ game``) as a subprocess and drives it from this process through
   and calling ``POST /instances/{id}/step`` with random actions; finished episodes are reset;
 * batched steps: ``POST /instances/step`` with several batch sizes; two requests in flight, so
   that the client builds one batch while the server steps the other;
-* memory: the server's RSS (``VmRSS``) with 10,000 live instances.
+* memory: the server's RSS (``VmRSS``) with 10,000 live instances;
+* OpenEnv sessions: 1 and 16 clients, each an OpenEnv WebSocket session (``/openenv/<env>/ws``,
+  env_server/openenv.py) playing the same way, one step message per step.
 
 Client and server share this machine's cores (2 here), so every HTTP number includes the
 client's cost; client CPU per step is this process's CPU time over the steps it made, server CPU
@@ -560,7 +562,7 @@ async def bench_memory(
 
 async def run(args: argparse.Namespace, server: EnvServerProcess, env_class: type[Env]) -> dict[str, Any]:
     env_id = server.bench_env
-    results: dict[str, Any] = {"single": [], "batched": []}
+    results: dict[str, Any] = {"single": [], "batched": [], "openenv": []}
     results["in_process"] = bench_in_process(env_class, args.seconds / 2)
     results["in_process_pool"] = await bench_in_process_pool(env_class, args.seconds / 2)
     async with EnvClient(server.url, timeout=60.0) as client:
@@ -575,7 +577,56 @@ async def run(args: argparse.Namespace, server: EnvServerProcess, env_class: typ
         for batch_size in args.batch_sizes:
             results["batched"].append(await bench_batched(client, server, env_id, batch_size, args.seconds))
             print_row("batched", results["batched"][-1])
+        actions = (await make_episodes(client, env_id, 1, first_seed=0))[0].actions
+    for concurrency in args.openenv_concurrency:
+        results["openenv"].append(await bench_openenv(server, actions, concurrency, args.seconds))
+        print_row("openenv", results["openenv"][-1])
     return results
+
+
+async def bench_openenv(
+    server: EnvServerProcess, actions: list[str], concurrency: int, seconds: float
+) -> dict[str, float]:
+    """Each client an OpenEnv WebSocket session (``/openenv/<env>/ws``) playing random actions,
+    a new episode (reset with the next seed) when one ends: the same play as :func:`bench_single`."""
+    from websockets.asyncio.client import connect
+
+    url = server.url.replace("http://", "ws://") + f"/openenv/{server.bench_env}/ws"
+    window = Window(server)
+    stop_at = 0.0
+
+    async def play(ws: Any, rng: random.Random) -> None:
+        seed = rng.randrange(2**31)
+        steps = 0
+        while time.perf_counter() < stop_at:
+            started = time.perf_counter()
+            await ws.send(json.dumps({"type": "step", "data": {"text": rng.choice(actions)}}))
+            answer = json.loads(await ws.recv())
+            if answer["type"] != "observation":
+                raise RuntimeError(f"OpenEnv step failed: {answer['data']}")
+            if window.counting:
+                window.latencies.append(time.perf_counter() - started)
+                window.steps += 1
+            steps += 1
+            if answer["data"]["done"] or steps >= MAX_EPISODE_STEPS:
+                seed += 100_003
+                steps = 0
+                await ws.send(json.dumps({"type": "reset", "data": {"seed": seed}}))
+                await ws.recv()
+
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(connect(url)) for _ in range(concurrency)]
+        for seed, ws in enumerate(sessions):
+            await ws.send(json.dumps({"type": "reset", "data": {"seed": seed}}))
+            await ws.recv()
+        rngs = [random.Random(seed) for seed in range(concurrency)]
+        stop_at = time.perf_counter() + min(1.0, seconds / 3)  # warm-up
+        await asyncio.gather(*map(play, sessions, rngs))
+        window.start()
+        stop_at = time.perf_counter() + seconds
+        await asyncio.gather(*map(play, sessions, rngs))
+        result = window.stop()
+    return {"concurrency": concurrency, **result}
 
 
 def print_memory(memory: dict[str, Any]) -> None:
@@ -588,7 +639,7 @@ def print_memory(memory: dict[str, Any]) -> None:
 
 
 def print_row(kind: str, row: dict[str, float]) -> None:
-    size = f"clients {row['concurrency']}" if kind == "single" else f"batch {row['batch_size']}"
+    size = f"batch {row['batch_size']}" if kind == "batched" else f"clients {row['concurrency']}"
     with_resets = f" ({row['steps_per_s_with_resets']:.0f} with resets)" if kind == "batched" else ""
     print(
         f"  {kind:8} {size:12} {row['steps_per_s']:9.0f} steps/s{with_resets}  p50 {row['p50_ms']:6.2f} ms  "
@@ -630,7 +681,8 @@ def render(results: dict[str, Any]) -> None:
         title=f"env server: {results['env']}, {results['machine']['cpus']} cores shared by client and server",
         caption="single: POST /instances/{id}/step, one request per step; "
         "batched: POST /instances/step, batch size × requests in flight, steps per second of wall time "
-        "with a batch in flight (finished episodes are reset in between)",
+        "with a batch in flight (finished episodes are reset in between); openenv: one OpenEnv "
+        "WebSocket session per client, a step message per step",
     )
     columns = ["route", "clients / batch", "steps/s", "× in-process", "p50 ms", "p99 ms"]
     columns += ["client CPU ms/step", "server CPU ms/step", "other procs (cores)", "CPU-bound est. steps/s"]
@@ -639,9 +691,11 @@ def render(results: dict[str, Any]) -> None:
     pool_rate = results["in_process_pool"]["steps_per_s"]
     table.add_row("in-process env", "1", f"{in_process:,.0f}", "1")
     table.add_row("in-process pool", "1", f"{pool_rate:,.0f}", f"{pool_rate / in_process:.3f}")
-    for kind in ("single", "batched"):
+    for kind in ("single", "batched", "openenv"):
         for row in results[kind]:
-            size = str(row["concurrency"]) if kind == "single" else f"{row['batch_size']} ×{row['in_flight']}"
+            size = (
+                f"{row['batch_size']} ×{row['in_flight']}" if kind == "batched" else str(row["concurrency"])
+            )
             table.add_row(
                 kind,
                 size,
@@ -656,7 +710,9 @@ def render(results: dict[str, Any]) -> None:
             )
     console.print(table)
     print_memory(results["memory"])
-    busiest = max(row["other_processes_cores"] for row in results["single"] + results["batched"])
+    busiest = max(
+        row["other_processes_cores"] for row in results["single"] + results["batched"] + results["openenv"]
+    )
     if busiest > 0.3:
         console.print(
             f"[yellow]other processes kept up to {busiest:.1f} cores busy during the runs: steps/s and "
@@ -1407,6 +1463,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=4.0, help="Measured time per configuration.")
     parser.add_argument("--concurrency", type=_ints, default=[1, 16, 64, 256])
     parser.add_argument("--batch-sizes", type=_ints, default=[16, 64, 256, 1024])
+    parser.add_argument(
+        "--openenv-concurrency", type=_ints, default=[1, 16], help="OpenEnv WebSocket sessions (game)."
+    )
     parser.add_argument("--instances", type=int, default=10_000, help="Live instances for the memory check.")
     parser.add_argument("--uvloop", action="store_true", help="Run the client on uvloop.")
     parser.add_argument(
@@ -1483,7 +1542,7 @@ def bench_game(args: argparse.Namespace) -> int:
         print(f"benchmarking {server.bench_env} on {server.url} ({args.seconds:g} s per configuration)")
         results = run_loop(run(args, server, env_class), args.uvloop)
     in_process = results["in_process"]["steps_per_s"]
-    for row in results["single"] + results["batched"]:
+    for row in results["single"] + results["batched"] + results["openenv"]:
         row["ratio_to_in_process"] = row["steps_per_s"] / in_process
     results = {
         "env": server.bench_env,
