@@ -7,14 +7,16 @@ proves, in the order a user meets it:
 
 * the images build from the compose file's ``build`` sections (cached between runs: podman reuses
   layers whose inputs did not change), the embodied env server's with Java;
-* redis, env-game, env-embodied, env-search, env-web, trainer-cpu, engine and rollout-cpu come up
-  healthy. podman 4.3 ignores ``depends_on: condition: service_healthy``, so the test brings them up
-  in dependency order and runs each container's own health check until it passes;
+* redis, env-game, env-embodied, env-search, env-web, env-reasoning, env-textarena, trainer-cpu,
+  engine and rollout-cpu come up healthy. podman 4.3 ignores ``depends_on: condition:
+  service_healthy``, so the test brings them up in dependency order and runs each container's own
+  health check until it passes;
 * env instances are created and stepped through the published env ports: a FrozenLake game, a
   BabyAI level, a ScienceWorld task (a JVM in the container), a SearchQA question (the search
-  server's index, built in the container before it listens) and a WebShop search (the shop's
+  server's index, built in the container before it listens), a WebShop search (the shop's
   catalog and index, made there too), whose watch page and current page answer as HTML on the
-  same published port;
+  same published port, a reasoning-gym question answered (one step ends it) and a TextArena
+  GuessTheNumber guess (both packages' data ship in the image);
 * the trainer issues jobs, the worker plays them against the engine and env containers, and the
   trajectories come back through Redis: at least 3 updates;
 * the dashboard answers on its published port and sees the worker over the compose network;
@@ -168,6 +170,8 @@ def project() -> Iterator[ComposeProject]:
         "STARGYM_ENV_EMBODIED_PORT": str(free_port()),
         "STARGYM_ENV_SEARCH_PORT": str(free_port()),
         "STARGYM_ENV_WEB_PORT": str(free_port()),
+        "STARGYM_ENV_REASONING_PORT": str(free_port()),
+        "STARGYM_ENV_TEXTARENA_PORT": str(free_port()),
         "STARGYM_DASHBOARD_PORT": str(free_port()),
         "STARGYM_LOG_LEVEL": "info",
     }
@@ -223,7 +227,7 @@ def play_one_step(project: ComposeProject, port_variable: str, create: dict, act
 
 def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> None:
     started = time.monotonic()
-    project.up("redis", "env-game", "env-embodied", "env-search", "env-web")
+    project.up("redis", "env-game", "env-embodied", "env-search", "env-web", "env-reasoning", "env-textarena")
     play_one_step(project, "STARGYM_ENV_GAME_PORT", {"env": "game/frozenlake", "seed": 3}, "down")
     embodied = "STARGYM_ENV_EMBODIED_PORT"
     first, step = play_one_step(project, embodied, {"env": "embodied/babyai", "seed": 3}, "turn left")
@@ -247,6 +251,14 @@ def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> N
             page = web.get(f"/shop/{shop}/{path}")
             assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page
             assert words in page.text, page.text[:2000]
+    # One answer ends a reasoning-gym question, right or wrong; a guess (1 to 20) is one turn of
+    # TextArena's game. Both packages' data come with the image.
+    reasoning = {"env": "reasoning/basic_arithmetic", "seed": 0}
+    first, step = play_one_step(project, "STARGYM_ENV_REASONING_PORT", reasoning, "42")
+    assert "Calculate" in first and step["done"], (first, step)
+    textarena = {"env": "textarena/guess_the_number", "seed": 0}
+    first, step = play_one_step(project, "STARGYM_ENV_TEXTARENA_PORT", textarena, "[10]")
+    assert "Guess The Number" in first and step["info"]["valid"], (first, step)
     print(f"env servers answered after {time.monotonic() - started:.0f} s", file=sys.stderr)
 
     project.up("trainer-cpu")  # makes the tiny model the engine serves, then answers /health

@@ -60,6 +60,8 @@ PROFILES = {
     "env-embodied": set(),
     "env-search": set(),
     "env-web": set(),
+    "env-reasoning": set(),
+    "env-textarena": set(),
     "vllm": {"gpu"},
     "rollout": {"gpu"},
     "trainer": {"gpu"},
@@ -72,6 +74,8 @@ PUBLISHED = {
     "env-embodied": "STARGYM_ENV_EMBODIED_PORT",
     "env-search": "STARGYM_ENV_SEARCH_PORT",
     "env-web": "STARGYM_ENV_WEB_PORT",
+    "env-reasoning": "STARGYM_ENV_REASONING_PORT",
+    "env-textarena": "STARGYM_ENV_TEXTARENA_PORT",
     "trainer": "STARGYM_DASHBOARD_PORT",
 }
 PUBLISHED["trainer-cpu"] = PUBLISHED["trainer"]
@@ -86,6 +90,8 @@ STARGYM_ENV_GAME_PORT=9101
 STARGYM_ENV_EMBODIED_PORT=9102
 STARGYM_ENV_SEARCH_PORT=9103
 STARGYM_ENV_WEB_PORT=9104
+STARGYM_ENV_REASONING_PORT=9105
+STARGYM_ENV_TEXTARENA_PORT=9106
 STARGYM_SCIWORLD_POOL_SIZE=8
 STARGYM_ENV_EMBODIED_MEMORY=6g
 STARGYM_DASHBOARD_PORT=9300
@@ -489,7 +495,7 @@ def test_the_workers_and_the_trainers_know_every_env_server(
             if is_stargym(service)
             for family in served_families(service)
         }
-        assert set(served) == {"game", "embodied", "search", "web"}, profile
+        assert set(served) == set(FAMILY_PORTS), profile
         for name, service in stack.items():
             if not is_stargym(service):
                 continue
@@ -652,6 +658,8 @@ def test_only_the_dashboard_and_the_env_servers_are_published(variables: dict[st
         "STARGYM_ENV_EMBODIED_PORT": str(FAMILY_PORTS["embodied"]),
         "STARGYM_ENV_SEARCH_PORT": str(FAMILY_PORTS["search"]),
         "STARGYM_ENV_WEB_PORT": str(FAMILY_PORTS["web"]),
+        "STARGYM_ENV_REASONING_PORT": str(FAMILY_PORTS["reasoning"]),
+        "STARGYM_ENV_TEXTARENA_PORT": str(FAMILY_PORTS["textarena"]),
         "STARGYM_DASHBOARD_PORT": str(TRAINER_PORT),
     }
     for name, service in config["services"].items():

@@ -55,6 +55,8 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Pod")
 SECRET_VALUE = "token-from-the-secret"
 POD_IP = "10.1.2.3"
 WAIT_FOR = K8S / "base" / "wait_for.py"
+# One env server Deployment per family of services.contracts, named env-<family>.
+ENV_SERVERS = tuple(f"env-{family}" for family in FAMILY_PORTS)
 # The stargym image and the same with Java 17, which only the embodied env server runs.
 STARGYM_IMAGES = {"stargym", "stargym-embodied"}
 
@@ -351,6 +353,8 @@ def test_base_runs_several_env_servers_and_workers_one_trainer_and_redis() -> No
     assert find(base, "Deployment", "env-embodied")["spec"]["replicas"] >= 1
     assert find(base, "Deployment", "env-search")["spec"]["replicas"] >= 1
     assert find(base, "Deployment", "env-web")["spec"]["replicas"] >= 1
+    assert find(base, "Deployment", "env-reasoning")["spec"]["replicas"] >= 1
+    assert find(base, "Deployment", "env-textarena")["spec"]["replicas"] >= 1
     assert find(base, "Deployment", "rollout")["spec"]["replicas"] >= 2
     assert find(base, "Deployment", "vllm")["spec"]["replicas"] == 1
     assert find(base, "StatefulSet", "trainer")["spec"]["replicas"] == 1
@@ -360,7 +364,7 @@ def test_base_runs_several_env_servers_and_workers_one_trainer_and_redis() -> No
 @pytest.mark.parametrize("build", BUILDS)
 def test_scaled_servers_are_found_through_headless_services(build: str) -> None:
     objects = rendered(build)
-    scaled = {"env-game", "env-embodied", "env-search", "env-web", "engine" if build == "cpu" else "vllm"}
+    scaled = {*ENV_SERVERS, "engine" if build == "cpu" else "vllm"}
     assert scaled <= names(objects, "Service")
     for service in scaled:
         assert find(objects, "Service", service)["spec"]["clusterIP"] == "None", service
@@ -474,6 +478,8 @@ def test_every_url_names_a_service_of_the_build_on_the_right_port(build: str) ->
         "http://env-embodied:8102",
         "http://env-search:8103",
         "http://env-web:8104",
+        "http://env-reasoning:8105",
+        "http://env-textarena:8106",
     }
     for client, url in urls:
         parts = urlsplit(url)
@@ -602,7 +608,7 @@ def test_the_api_token_reaches_every_service(build: str) -> None:
         if name == "rollout":
             expected |= {"STARGYM_ROLLOUT_ENV_API_TOKEN", "STARGYM_ROLLOUT_ENGINE_API_TOKEN"}
         assert from_secret(container) == expected, name
-    assert seen >= {"env-game", "env-embodied", "env-search", "env-web", "rollout", "trainer"}
+    assert seen >= {*ENV_SERVERS, "rollout", "trainer"}
     if build != "cpu":
         vllm = pod_template(find(objects, "Deployment", "vllm"))["spec"]["containers"][0]
         assert from_secret(vllm) == {"VLLM_API_KEY"}
@@ -688,10 +694,10 @@ def test_network_policies_let_through_only_who_needs_it(build: str) -> None:
     expected = {
         "redis": ({"rollout", "trainer"}, {6379}),
         inference: ({"rollout", "trainer"}, {ENGINE_PORT if build == "cpu" else 8000}),
-        "env-game": ({"rollout", "trainer"}, {FAMILY_PORTS["game"]}),
-        "env-embodied": ({"rollout", "trainer"}, {FAMILY_PORTS["embodied"]}),
-        "env-search": ({"rollout", "trainer"}, {FAMILY_PORTS["search"]}),
-        "env-web": ({"rollout", "trainer"}, {FAMILY_PORTS["web"]}),
+        **{
+            server: ({"rollout", "trainer"}, {FAMILY_PORTS[server.removeprefix("env-")]})
+            for server in ENV_SERVERS
+        },
         "rollout": ({"trainer"}, {ROLLOUT_PORT}),
         "trainer": ({ANYONE}, {TRAINER_PORT}),
     }
