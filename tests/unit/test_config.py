@@ -39,6 +39,7 @@ def test_the_expected_recipes_exist() -> None:
         "searchqa-tiny",
         "webshop-qwen2.5-7b-gpu",
         "webshop-tiny",
+        "textarena-frozenlake-tiny",
     } <= names
 
 
