@@ -1,0 +1,1 @@
+"""The reasoning family: reasoning-gym's procedural datasets, one single-question env per dataset."""
