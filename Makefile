@@ -12,9 +12,12 @@ setup: $(STAMP)
 		"install it with: sudo apt-get install openjdk-17-jre-headless (or: make java)" >&2
 
 # Reinstalls only when the dependency list changes; editable, so code edits need no reinstall.
+# A stargym.egg-info left in the root by an earlier build shadows the installed metadata for every
+# command run from here (the cwd is on sys.path), so new env entry points would stay invisible.
 $(STAMP): pyproject.toml deploy/data-packages.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	rm -rf stargym.egg-info
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps -r deploy/data-packages.txt
 	touch $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -276,8 +277,16 @@ router.add_api_route(
 
 
 @router.get("/envs", response_model=EnvList, tags=["envs"])
-async def list_envs(pool: PoolDep) -> EnvList:
-    return EnvList(envs=[env_spec(env_id, cls) for env_id, cls in pool.env_classes.items()])
+async def list_envs(pool: PoolDep) -> Response:
+    return Response(env_list_json(tuple(pool.env_classes.items())), media_type="application/json")
+
+
+@functools.cache
+def env_list_json(env_classes: tuple[tuple[str, type[Env]], ...]) -> bytes:
+    """``GET /envs``'s body, built once per server: a server's envs never change, and the reasoning
+    family's 100 option schemas took 0.2-0.3 s to build and validate on every request."""
+    envs = EnvList(envs=[env_spec(env_id, cls) for env_id, cls in env_classes])
+    return orjson.dumps(envs.model_dump(mode="json"))
 
 
 @router.post("/instances", response_model=InstanceCreated, status_code=201)
