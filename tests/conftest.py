@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -49,6 +50,23 @@ def game_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
     port = free_port()
     server = start_server(
         ["env", "serve", "game", "--port", str(port)], port, tmp_path_factory.mktemp("game"), name="game"
+    )
+    yield server
+    stop_server(server.process)
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One real reasoning env server for the session, hashing strings unlike this process
+    (``PYTHONHASHSEED``): questions equal to reasoning-gym's here show they do not depend on it."""
+    port = free_port()
+    other_hashing = str(int(os.environ.get("PYTHONHASHSEED") or 0) + 1)
+    server = start_server(
+        ["env", "serve", "reasoning", "--port", str(port)],
+        port,
+        tmp_path_factory.mktemp("reasoning"),
+        env={"PYTHONHASHSEED": other_hashing},
+        name="reasoning",
     )
     yield server
     stop_server(server.process)

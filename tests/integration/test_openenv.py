@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import REPO_ROOT, RunningServer, free_port, start_server, stop_server, wait_until
 from openenv.core.generic_client import GenericEnvClient
+from reasoning_answers import reasoning_gym_item
 from solvers import solve_frozenlake
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
@@ -237,3 +238,16 @@ def test_the_readmes_trl_example_plays_to_the_first_reward(game_server: RunningS
     env = namespace["env"]
     assert env.done and env.turns == 1
     assert namespace["episode_reward"]([env]) in ([0.0], [1.0])
+
+
+def test_openenvs_client_plays_a_reasoning_task_to_the_end(reasoning_server: RunningServer) -> None:
+    gold = reasoning_gym_item("basic_arithmetic", 11)["answer"]
+    base = f"{reasoning_server.url}/openenv/reasoning/basic_arithmetic"
+    with GenericEnvClient(base_url=base, message_timeout_s=60).sync() as env:
+        first = env.reset(seed=11, options={"max_attempts": 2})
+        assert first.observation["text"] == reasoning_gym_item("basic_arithmetic", 11)["question"]
+        wrong = env.step({"text": f"{gold}1"})
+        assert (wrong.done, wrong.reward) == (False, 0.0) and "Try again" in wrong.observation["text"]
+        right = env.step({"text": f"<answer>{gold}</answer>"})
+        assert (right.done, right.reward, right.observation["info"]["success"]) == (True, 1.0, True)
+        assert env.state()["step_count"] == 2

@@ -1,20 +1,18 @@
 """The reasoning family over HTTP: reasoning-gym's questions and scores, its env list, its 422s.
 
-One real ``stargym env serve reasoning`` for the module, with other string hashing than this
-process (``PYTHONHASHSEED``), so equal questions show they do not depend on it; questions and
+One real ``stargym env serve reasoning`` (conftest's ``reasoning_server``), with other string
+hashing than this process (``PYTHONHASHSEED``), so equal questions show they do not depend on it; questions and
 gold answers come from reasoning-gym itself (:func:`reasoning_answers.reasoning_gym_item`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import RunningServer
 from reasoning_answers import reasoning_gym_item, reference_answer
 
 from env_server.envs.reasoning.catalog import hosted_datasets
@@ -42,21 +40,9 @@ TIMEOUT = httpx.Timeout(60.0)
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    port = free_port()
-    other_hashing = str(int(os.environ.get("PYTHONHASHSEED") or 0) + 1)
-    server: RunningServer = start_server(
-        ["env", "serve", "reasoning", "--port", str(port)],
-        port,
-        Path(tmp_path_factory.mktemp("reasoning")),
-        env={"PYTHONHASHSEED": other_hashing},
-        name="reasoning",
-    )
-    try:
-        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
-            yield http
-    finally:
-        stop_server(server.process)
+def client(reasoning_server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=reasoning_server.url, timeout=TIMEOUT) as http:
+        yield http
 
 
 def local_reward(name: str, seed: int, reply: str) -> float:
