@@ -57,6 +57,12 @@ not in the OS's page cache of the source packages. Results go to ``bench/results
   after 15 turns) against the same play in this process.
 
 Results go to ``bench/results/env_server_web.json``.
+
+``--family reasoning`` and ``--family textarena`` (and ``all``) each measure one env of the family,
+``reasoning/basic_arithmetic`` (one answer an episode, from a fixed list, so every step is followed
+by a reset) and ``textarena/guess_the_number`` (random guesses of the 20 listed, reset after its 10
+turns): the server's start and RSS, and steps/s with 1 and 16 clients against the same play in this
+process. Results go to ``bench/results/env_server_<family>.json``.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ ENV_PATHS = {
     "embodied/sciworld": "env_server.envs.embodied.sciworld:SciWorldEnv",
     "search/searchqa": "env_server.envs.search.searchqa:SearchQAEnv",
     "web/shop": "env_server.envs.web.shop:ShopEnv",
+    "reasoning/basic_arithmetic": "env_server.envs.reasoning.hosted:BasicArithmeticEnv",
+    "textarena/guess_the_number": "env_server.envs.textarena.hosted:TextArenaGuessTheNumberEnv",
 }
 MAX_EPISODE_STEPS = 100  # a random walk that neither falls nor arrives is reset after this many
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -1441,6 +1449,56 @@ def bench_web(args: argparse.Namespace) -> int:
     return run_family(args, WEB_ENV, run_web, render_web, args.web_out, note)
 
 
+# -- reasoning, textarena ---------------------------------------------------------------------
+
+# family: the env measured and how a client plays it.
+ONE_ENV_FAMILIES: dict[str, tuple[str, Policy]] = {
+    "reasoning": ("reasoning/basic_arithmetic", Policy(actions=("1", "-2", "7", "42"), max_steps=1)),
+    "textarena": ("textarena/guess_the_number", Policy(max_steps=10)),
+}
+
+
+async def run_one_env_family(args: argparse.Namespace, family: str) -> dict[str, Any]:
+    """The env's play in this process, then the server's start, RSS and steps by number of clients."""
+    env_id, policy = ONE_ENV_FAMILIES[family]
+    with in_process_env(env_id) as env:
+        in_process = play_in_process(env, policy, args.seconds)
+    results: dict[str, Any] = {"step_in_process": in_process}
+    with EnvServerProcess(env_id, root=args.server_root.resolve()) as server:
+        results["server_start"] = {"seconds": server.start_s, "rss_mib": server.rss_bytes() / 2**20}
+        print(f"  {family}: steps on {server.url} ({args.seconds:g} s per configuration)", flush=True)
+        async with EnvClient(server.url, timeout=60.0) as client:
+            results["clients"] = await steps_by_clients(
+                client, server, args.family_concurrency, policy, args.seconds, in_process
+            )
+    return results
+
+
+def render_one_env_family(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    start = results["server_start"]
+    steps = Table(
+        title=f"{results['env']}: steps, {results['machine']['cpus']} cores shared by client and server",
+        caption=f"one instance per client, episodes reset when done; server start (spawn to healthy) "
+        f"{start['seconds']:.1f} s, RSS {start['rss_mib']:.0f} MiB",
+    )
+    for column in STEP_COLUMNS:
+        steps.add_column(column, justify="left" if column == "what" else "right")
+    add_step_rows(steps, "env steps", results["step_in_process"], results["clients"])
+    console.print(steps)
+
+
+def bench_one_env_family(args: argparse.Namespace, family: str) -> int:
+    """``--family reasoning`` / ``textarena``: run, print, write ``bench/results/env_server_<family>.json``."""
+    note = "HTTP steps/s divided by one client's steps/s in this process (same play)"
+    out = args.results_dir / f"env_server_{family}.json"
+    env_id = ONE_ENV_FAMILIES[family][0]
+    return run_family(args, env_id, lambda a: run_one_env_family(a, family), render_one_env_family, out, note)
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -1450,10 +1508,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--family",
-        choices=["game", "embodied", "search", "web", "all"],
+        choices=["game", "embodied", "search", "web", *ONE_ENV_FAMILIES, "all"],
         default="all",
         help="The env family to benchmark (game: --env; embodied: BabyAI and ScienceWorld; search: SearchQA; "
-        "web: the shop).",
+        "web: the shop; reasoning: basic_arithmetic; textarena: guess_the_number).",
     )
     parser.add_argument(
         "--env",
@@ -1499,6 +1557,18 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--web-out", type=Path, default=REPO_ROOT / "bench" / "results" / "env_server_web.json"
+    )
+    parser.add_argument(
+        "--family-concurrency",
+        type=_ints,
+        default=[1, 16],
+        help="Concurrent clients of the reasoning and textarena envs.",
+    )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=REPO_ROOT / "bench" / "results",
+        help="Where the reasoning and textarena results go (env_server_<family>.json).",
     )
     return parser.parse_args()
 
@@ -1572,6 +1642,9 @@ def main() -> int:
         failed |= bench_search(args)
     if args.family in ("web", "all"):
         failed |= bench_web(args)
+    for family in ONE_ENV_FAMILIES:
+        if args.family in (family, "all"):
+            failed |= bench_one_env_family(args, family)
     return failed
 
 

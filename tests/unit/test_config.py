@@ -40,6 +40,7 @@ def test_the_expected_recipes_exist() -> None:
         "webshop-qwen2.5-7b-gpu",
         "webshop-tiny",
         "textarena-frozenlake-tiny",
+        "reasoning-countbits-tiny",
     } <= names
 
 

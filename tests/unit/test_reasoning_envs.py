@@ -15,6 +15,7 @@ import pytest
 from reasoning_answers import reasoning_gym_item, reference_answer
 from reasoning_gym.factory import DATASETS
 
+from env_server.envs.reasoning import items
 from env_server.envs.reasoning.catalog import EXCLUDED, hosted_datasets
 from env_server.envs.reasoning.hosted import ENV_CLASSES
 from env_server.envs.reasoning.items import MAX_CONFIGS_PER_DATASET, shared_dataset
@@ -202,6 +203,22 @@ def test_an_item_reasoning_gym_cannot_make_is_422_and_leaves_other_seeds_alone()
         env_for("word_ladder", tight, seed=1)[1].observation
         == reasoning_gym_item("word_ladder", 1, tight["config"])["question"]
     )
+
+
+def test_an_item_over_its_work_budget_is_replaced_by_the_next_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """basic_arithmetic's item 207,006,210 ran 62 s untraced; within the budget it is given up in
+    about a second and the next index asked instead, the same on every call."""
+    slow = 207_006_210
+    first, second = (env_for("basic_arithmetic", seed=slow)[1] for _ in range(2))
+    assert first == second
+    assert first.info["index"] == slow + 1
+    assert first.observation == reasoning_gym_item("basic_arithmetic", slow + 1)["question"]
+    # An ordinary seed keeps its own index, and a budget no item fits refuses the seed.
+    assert env_for("basic_arithmetic", seed=5)[1].info["index"] == 5
+    monkeypatch.setattr(items, "ITEM_LINE_BUDGET", 10)
+    with pytest.raises(ApiError) as raised:
+        env_for("basic_arithmetic", seed=5)
+    assert raised.value.status == 422 and "ran over 10 lines of Python" in raised.value.message
 
 
 def test_every_options_schema_shows_the_config_and_its_defaults() -> None:

@@ -79,8 +79,7 @@ class ReasoningEnv(Env):
     def reset(self, seed: int, options: ReasoningOptions) -> Observation:
         info = self.dataset
         self._items = shared_dataset(info, options.config)
-        index = seed % info.item_count
-        self._entry = make_item(info, self._items, index)
+        index, self._entry = make_item(info, self._items, seed % info.item_count)
         self._attempts_left = options.max_attempts
         return Observation(
             self._entry["question"],

@@ -17,6 +17,13 @@ seed's item depend on what another thread did at the same time:
   ``random.randint``) and pool_matrix seeds and draws numpy's global RNG. Their items are made
   under one process-wide lock, with ``random`` seeded from the item's index and both RNGs'
   states put back afterwards, so other code in the process sees no change either.
+
+**Items have a work budget.** A few items of some generators take unboundedly long: item
+207,006,210 of basic_arithmetic ran for 62 s (a divisor search up to the square root of a huge
+gcd), holding a worker thread and its episode. An item is made with a line tracer that counts the
+Python lines it runs; past :data:`ITEM_LINE_BUDGET` it is abandoned and the next index is made
+instead. Lines, not seconds, so the same seed gives the same item on any machine. Tracing costs
+2.5-5x on item generation (basic_arithmetic 0.07 -> 0.2 ms, zebra_puzzles 0.12 -> 0.41 s).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import sys
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, TypeVar
 
 import numpy as np
 from reasoning_gym.dataset import ProceduralDataset
@@ -37,7 +46,15 @@ from env_server.envs.reasoning.reply_guard import may_score
 from env_server.shared import ProcessShared
 from services.errors import ApiError
 
+T = TypeVar("T")
+
 USES_GLOBAL_RNG = frozenset({"list_functions", "pool_matrix"})
+# 5 million lines are ~1 s traced here; the slowest item seen within it, knight_swap's item 0 (1.0 s
+# untraced, 2.9 s traced: much of its time is in C), passes.
+ITEM_LINE_BUDGET = 5_000_000
+# Indexes tried after an item over budget, before the seed is refused: over-budget items are rare
+# (1 of 2,070 consecutive basic_arithmetic resets), so 16 in a row means the config cannot make one.
+MAX_SKIPPED_ITEMS = 16
 # Configs kept per dataset, least recently used dropped first, so a stream of distinct configs
 # cannot exhaust memory: a process holding all 100 default datasets has 212 MB of RSS (arc_agi
 # 28 MB of it, the most), and a curriculum's few difficulty levels of one dataset stay built.
@@ -75,21 +92,58 @@ def _build(info: DatasetInfo, config: DatasetConfig) -> ProceduralDataset:
         ) from None
 
 
-def make_item(info: DatasetInfo, dataset: ProceduralDataset, index: int) -> dict[str, Any]:
-    """Item ``index`` of ``dataset``: the same for the same index whatever other threads do.
+def make_item(info: DatasetInfo, dataset: ProceduralDataset, index: int) -> tuple[int, dict[str, Any]]:
+    """Item ``index`` of ``dataset`` (or, past the work budget, the next index's): the index
+    used and the item, the same whatever other threads do.
 
-    An item reasoning-gym cannot make (a config so tight that its generator gives up) is an
-    :class:`ApiError` 422: these options do not make a question for this seed.
+    An item reasoning-gym cannot make (a config so tight that its generator gives up), or one
+    more than :data:`MAX_SKIPPED_ITEMS` indexes in a row over budget, is an :class:`ApiError` 422:
+    these options do not make a question for this seed.
     """
+    for used in range(index, index + MAX_SKIPPED_ITEMS + 1):
+        used %= info.item_count
+        try:
+            with _own_global_rngs(info.name, used):
+                return used, _within_line_budget(lambda: copy.copy(dataset)[used])  # noqa: B023
+        except OverBudget:
+            continue
+        except Exception as exc:
+            raise ApiError(
+                422,
+                "invalid_options",
+                f"reasoning/{info.name}: reasoning-gym cannot make item {used} with these options: {exc}",
+            ) from None
+    raise ApiError(
+        422,
+        "invalid_options",
+        f"reasoning/{info.name}: items {index}-{used} each ran over {ITEM_LINE_BUDGET:,} lines of Python "
+        "with these options",
+    )
+
+
+class OverBudget(Exception):
+    """An item's generator ran more than :data:`ITEM_LINE_BUDGET` lines."""
+
+
+def _within_line_budget(make: Callable[[], T]) -> T:
+    """``make()``, abandoned with :class:`OverBudget` once it has run ITEM_LINE_BUDGET lines
+    (counted in this thread; the tracer of a debugger, if any, is put back afterwards)."""
+    lines = 0
+
+    def count_line(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines > ITEM_LINE_BUDGET:
+                raise OverBudget
+        return count_line
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: count_line)
     try:
-        with _own_global_rngs(info.name, index):
-            return copy.copy(dataset)[index]
-    except Exception as exc:
-        raise ApiError(
-            422,
-            "invalid_options",
-            f"reasoning/{info.name}: reasoning-gym cannot make item {index} with these options: {exc}",
-        ) from None
+        return make()
+    finally:
+        sys.settrace(previous)
 
 
 def score(info: DatasetInfo, dataset: ProceduralDataset, answer: str, entry: dict[str, Any]) -> float:
