@@ -19,7 +19,9 @@ from deploy.demo import DemoReport, train_and_evaluate
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(20 * 60)]
 
 FROZENLAKE_MINUTES = 8.0
-BANDIT_MINUTES = 4.0
+# The bandit's risky arm is on 100% of held-out seeds after 200 updates in 2.1 minutes here (the
+# 75% target comes earlier); 2.5 leaves a slower CI machine headroom, and 4 cost the suite 1.5 min.
+BANDIT_MINUTES = 2.5
 
 
 def run(config: str, tmp_path: Path, redis_url: str, minutes: float, name: str) -> DemoReport:
