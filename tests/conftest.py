@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import pytest
 import redis
 
@@ -25,10 +26,12 @@ __all__ = [
     "REPO_ROOT",
     "STARGYM",
     "RunningServer",
+    "create_instance",
     "eventually",
     "free_port",
     "short_run_overrides",
     "start_server",
+    "step_instance",
     "stop_server",
     "wait_exit",
     "wait_healthy",
@@ -42,6 +45,20 @@ def start_server(
 ) -> RunningServer:
     """Start ``stargym ARGS`` from the repository root, its log in ``tmp_path``; wait for /health."""
     return start_service(name, args, port, tmp_path, env=env, cwd=REPO_ROOT)
+
+
+def create_instance(client: httpx.Client, env: str, seed: int, options: dict | None = None) -> dict:
+    """``POST /instances`` that must succeed (201): the created instance's JSON."""
+    response = client.post("/instances", json={"env": env, "seed": seed, "options": options or {}})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def step_instance(client: httpx.Client, instance_id: str, action: str) -> dict:
+    """``POST /instances/{id}/step`` that must succeed (200): the step's JSON."""
+    response = client.post(f"/instances/{instance_id}/step", json={"action": action})
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import RunningServer
+from conftest import RunningServer, create_instance, step_instance
 from reasoning_answers import reasoning_gym_item, reference_answer
 
 from env_server.envs.reasoning.catalog import hosted_datasets
@@ -53,17 +53,10 @@ def local_reward(name: str, seed: int, reply: str) -> float:
 
 
 def create(client: httpx.Client, name: str, seed: int, options: dict | None = None) -> dict:
-    response = client.post(
-        "/instances", json={"env": f"reasoning/{name}", "seed": seed, "options": options or {}}
-    )
-    assert response.status_code == 201, response.text
-    return response.json()
+    return create_instance(client, f"reasoning/{name}", seed, options)
 
 
-def step(client: httpx.Client, instance_id: str, action: str) -> dict:
-    response = client.post(f"/instances/{instance_id}/step", json={"action": action})
-    assert response.status_code == 200, response.text
-    return response.json()
+step = step_instance
 
 
 @pytest.mark.parametrize("name", SAMPLE)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import RunningServer, create_instance, free_port, start_server, step_instance, stop_server
 
 from env_server.envs.search.corpus import Passage, Question
 from env_server.envs.search.facts import Dataset, default_dataset
@@ -74,15 +74,10 @@ def dataset(served: Served) -> Dataset:
 
 
 def create(client: httpx.Client, seed: int, options: dict | None = None) -> dict:
-    response = client.post("/instances", json={"env": ENV, "seed": seed, "options": options or {}})
-    assert response.status_code == 201, response.text
-    return response.json()
+    return create_instance(client, ENV, seed, options)
 
 
-def step(client: httpx.Client, instance_id: str, action: str) -> dict:
-    response = client.post(f"/instances/{instance_id}/step", json={"action": action})
-    assert response.status_code == 200, response.text
-    return response.json()
+step = step_instance
 
 
 def oracle_queries(passage: Passage) -> list[str]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import RunningServer, create_instance, free_port, start_server, step_instance, stop_server
 from textarena_moves import FIRST_MOVES, GARBAGE, SEED
 
 GAMES = sorted(FIRST_MOVES)
@@ -34,17 +34,10 @@ def client(server: RunningServer) -> Iterator[httpx.Client]:
 
 
 def create(client: httpx.Client, game: str, options: dict | None = None) -> dict:
-    response = client.post(
-        "/instances", json={"env": f"textarena/{game}", "seed": SEED, "options": options or {}}
-    )
-    assert response.status_code == 201, response.text
-    return response.json()
+    return create_instance(client, f"textarena/{game}", SEED, options)
 
 
-def step(client: httpx.Client, instance_id: str, action: str) -> dict:
-    response = client.post(f"/instances/{instance_id}/step", json={"action": action})
-    assert response.status_code == 200, response.text
-    return response.json()
+step = step_instance
 
 
 def test_every_game_is_served(client: httpx.Client) -> None:

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import RunningServer
+from conftest import RunningServer, create_instance
 from textcraft_planner import plan
 
 ENV = "game/textcraft"
@@ -21,9 +21,7 @@ def client(game_server: RunningServer) -> Iterator[httpx.Client]:
 
 
 def create(client: httpx.Client, seed: int, options: dict | None = None) -> dict:
-    response = client.post("/instances", json={"env": ENV, "seed": seed, "options": options or {}})
-    assert response.status_code == 201, response.text
-    return response.json()
+    return create_instance(client, ENV, seed, options)
 
 
 @pytest.mark.parametrize(
