@@ -679,11 +679,17 @@ def check_targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return checks
 
 
-def render(results: dict[str, Any]) -> None:
+def wide_console() -> Any:
+    """rich's console; 160 columns when the output is not a terminal (a log), so tables don't wrap."""
     from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def render(results: dict[str, Any]) -> None:
     from rich.table import Table
 
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = wide_console()
     in_process = results["in_process"]["steps_per_s"]
     table = Table(
         title=f"env server: {results['env']}, {results['machine']['cpus']} cores shared by client and server",
@@ -990,10 +996,9 @@ async def run_embodied(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render_embodied(results: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = wide_console()
     cores = results["machine"]["cpus"]
     table = Table(
         title=f"embodied envs: latency over HTTP against in-process, one client, {cores} cores",
@@ -1211,10 +1216,9 @@ def add_step_rows(
 
 
 def render_search(results: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = wide_console()
     corpus = results["corpus"]
     loads = Table(
         title=f"search/searchqa: data and index load, {corpus['passages']:,} passages",
@@ -1407,10 +1411,9 @@ async def run_web(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render_web(results: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = wide_console()
     load = results["in_process_load"]
     console.print(
         f"web/shop: {load['products']:,} products generated in {load['catalog_s']:.2f} s, indexed in memory "
@@ -1475,10 +1478,9 @@ async def run_one_env_family(args: argparse.Namespace, family: str) -> dict[str,
 
 
 def render_one_env_family(results: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = wide_console()
     start = results["server_start"]
     steps = Table(
         title=f"{results['env']}: steps, {results['machine']['cpus']} cores shared by client and server",

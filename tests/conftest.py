@@ -30,6 +30,7 @@ __all__ = [
     "eventually",
     "free_port",
     "short_run_overrides",
+    "start_family_server",
     "start_server",
     "step_instance",
     "stop_server",
@@ -61,13 +62,19 @@ def step_instance(client: httpx.Client, instance_id: str, action: str) -> dict:
     return response.json()
 
 
+def start_family_server(
+    family: str, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str] | None = None
+) -> RunningServer:
+    """``stargym env serve FAMILY`` on a free loopback port, its log in a fresh temporary folder."""
+    port = free_port()
+    args = ["env", "serve", family, "--port", str(port)]
+    return start_server(args, port, tmp_path_factory.mktemp(family), env=env, name=family)
+
+
 @pytest.fixture(scope="session")
 def game_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """One real game env server for the whole session (uvicorn on a free loopback port)."""
-    port = free_port()
-    server = start_server(
-        ["env", "serve", "game", "--port", str(port)], port, tmp_path_factory.mktemp("game"), name="game"
-    )
+    server = start_family_server("game", tmp_path_factory)
     yield server
     stop_server(server.process)
 
@@ -76,15 +83,8 @@ def game_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
 def reasoning_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """One real reasoning env server for the session, hashing strings unlike this process
     (``PYTHONHASHSEED``): questions equal to reasoning-gym's here show they do not depend on it."""
-    port = free_port()
     other_hashing = str(int(os.environ.get("PYTHONHASHSEED") or 0) + 1)
-    server = start_server(
-        ["env", "serve", "reasoning", "--port", str(port)],
-        port,
-        tmp_path_factory.mktemp("reasoning"),
-        env={"PYTHONHASHSEED": other_hashing},
-        name="reasoning",
-    )
+    server = start_family_server("reasoning", tmp_path_factory, env={"PYTHONHASHSEED": other_hashing})
     yield server
     stop_server(server.process)
 

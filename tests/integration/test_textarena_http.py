@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import RunningServer, create_instance, free_port, start_server, step_instance, stop_server
+from conftest import RunningServer, create_instance, start_family_server, step_instance, stop_server
 from textarena_moves import FIRST_MOVES, GARBAGE, SEED
 
 GAMES = sorted(FIRST_MOVES)
@@ -15,13 +15,7 @@ GAMES = sorted(FIRST_MOVES)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    port = free_port()
-    running = start_server(
-        ["env", "serve", "textarena", "--port", str(port)],
-        port,
-        tmp_path_factory.mktemp("textarena"),
-        name="textarena",
-    )
+    running = start_family_server("textarena", tmp_path_factory)
     yield running
     stop_server(running.process)
 
