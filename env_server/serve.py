@@ -24,7 +24,8 @@ def serve_command(
     ] = None,
     host: Annotated[str | None, typer.Option(help="Listen address [STARGYM_HOST].")] = None,
     port: Annotated[
-        int | None, typer.Option(help="Port; default: the family's (game 8101 …) [STARGYM_PORT].")
+        int | None,
+        typer.Option(help="Port; default: the family's (game 8101 … textarena 8106) [STARGYM_PORT]."),
     ] = None,
     max_instances: Annotated[int | None, typer.Option(help="Instance limit [STARGYM_MAX_INSTANCES].")] = None,
     instance_ttl_s: Annotated[float | None, typer.Option(help="Idle TTL [STARGYM_INSTANCE_TTL_S].")] = None,
