@@ -63,16 +63,26 @@ podman: setup
 	for wheel in $$links/torch-2.13.0+cpu-*.whl; do \
 		if [ -f "$$wheel" ]; then cp -u "$$wheel" $(WHEELHOUSE)/; fi; done
 
-# Everything CI runs, the vLLM, browser and compose tests included.
+# Everything CI runs, the vLLM, browser and compose tests included, in two phases: the suite on
+# 2 pytest-xdist workers, one file per worker at a time (module fixtures such as the ScienceWorld
+# JVM pools start once), then the budgeted learning tests alone, where nothing takes their CPU.
+# Serial, the suite took 44 minutes in CI; most tests wait on servers, engines and deadlines.
+# Both phases run even when the first fails; either failing, or collecting nothing, fails the target.
+SUITE := $(WITH_VLLM) STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests
+PARALLEL := -n 2 --dist loadfile
 test: setup java vllm-venv browser podman
-	$(WITH_VLLM) STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests --durations=10; $(NO_TESTS_IS_FAILURE)
+	$(SUITE) $(PARALLEL) -m "not budgeted" --durations=15; parallel=$$?; \
+	$(SUITE) -m budgeted --durations=5; budgeted=$$?; \
+	for status in $$parallel $$budgeted; do \
+		if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; fi; \
+		if [ $$status -ne 0 ]; then exit 1; fi; done
 
 # Builds the images, brings the compose file's cpu profile up, trains 3 updates, tears it down.
 test-compose: podman
 	STARGYM_REQUIRE_COMPOSE=1 $(PYTEST) tests/e2e/test_compose.py --durations=5; $(NO_TESTS_IS_FAILURE)
 
 test-fast: setup java
-	$(PYTEST) tests -m "not slow and not vllm and not compose and not browser"
+	$(PYTEST) tests $(PARALLEL) -m "not slow and not vllm and not compose and not browser"
 
 test-vllm: setup vllm-venv
 	$(WITH_VLLM) $(PYTEST) tests/e2e/test_vllm.py --durations=5; $(NO_TESTS_IS_FAILURE)

@@ -16,7 +16,7 @@ from conftest import REPO_ROOT
 
 from deploy.demo import DemoReport, train_and_evaluate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(20 * 60)]
+pytestmark = [pytest.mark.slow, pytest.mark.budgeted, pytest.mark.timeout(20 * 60)]
 
 FROZENLAKE_MINUTES = 8.0
 # The bandit's sampled success (the risky arm) measured here with a 2.5-minute budget: 0.27 at

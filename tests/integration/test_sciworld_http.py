@@ -155,8 +155,12 @@ def big_client(big: RunningServer) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def small_client(small: RunningServer) -> Iterator[httpx.Client]:
+    """A client of the one-JVM server that closes every instance a test leaves open: a failed
+    test must not leave the only JVM leased, which turns the next tests' creates into 429s."""
     with httpx.Client(base_url=small.url, timeout=TIMEOUT) as client:
         yield client
+        for left in client.get("/instances").json()["instances"]:
+            client.delete(f"/instances/{left['instance_id']}")
 
 
 @pytest.mark.parametrize("task", ["find-non-living-thing", "lifespan-longest-lived", "power-component"])
@@ -271,8 +275,9 @@ def test_a_full_pool_answers_429_after_its_deadline(small: RunningServer, small_
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "jvm_pool_busy"
     assert 2.0 <= waited < 4.0
-    # The wait is awaited on the event loop: the bandit kept stepping all along.
-    assert len(probe.latencies) >= 20 and max(probe.latencies) < 0.5, probe.latencies
+    # The wait is awaited on the event loop: the bandit kept stepping all along. A loop blocked by
+    # the wait would show one reset+step of at least its 2 s; a loaded CI machine showed 0.84 s.
+    assert len(probe.latencies) >= 20 and max(probe.latencies) < 1.5, probe.latencies
     small_client.delete(f"/instances/{holder}")
     started = time.monotonic()
     reused = create(small_client, CHEAP)["instance_id"]
@@ -316,7 +321,8 @@ def test_a_hung_jvm_is_killed_while_other_envs_keep_stepping(
         f"the ScienceWorld JVM (pid {jvm}) did not answer within 5 s; killed"
     )
     assert 5.0 <= blocked < 8.0
-    assert len(probe.latencies) >= 50 and max(probe.latencies) < 0.5, probe.latencies
+    # A loop blocked by the hung call would show one reset+step of at least its 5 s.
+    assert len(probe.latencies) >= 50 and max(probe.latencies) < 2.5, probe.latencies
     wait_until(lambda: state(jvm) in ("", "Z"), "the hung JVM to die", deadline_s=5)
     replacement = create(small_client, CHEAP)["instance_id"]
     small_client.delete(f"/instances/{replacement}")
