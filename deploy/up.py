@@ -125,7 +125,7 @@ def bring_up(
         console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
         port = _port(8200)
         args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
-                "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
+                "--run", config.run.name, "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
         for family, url in env_urls.items():
             args += ["--env", f"{family}={url}"]
         worker = start_service(

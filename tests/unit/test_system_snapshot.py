@@ -55,7 +55,7 @@ def test_redact_url_hides_the_password_only() -> None:
 
 
 async def test_a_snapshot_is_cached_and_without_redis_says_so() -> None:
-    async with SystemProbe(None, {}, None, cache_s=60.0) as probe:
+    async with SystemProbe(None, {}, None, run_id="run", cache_s=60.0) as probe:
         first = await probe.snapshot()
         assert await probe.snapshot() is first
     assert not first.redis.ok and "no Redis URL" in first.redis.error
