@@ -66,7 +66,7 @@ from redis.exceptions import RedisError
 from rollout_server.episode import EpisodeEnvError, run_episode
 from rollout_server.settings import WorkerSettings
 from services.endpoints import Discovery, Endpoint, Resolver, ServerPool, pick_least_busy
-from services.engine_client import EngineClient, EngineClientError
+from services.engine_client import EngineClient, EngineClientError, EngineConnectionError
 from services.env_client import EnvClient, EnvClientError
 from services.http_client import Backoff
 from services.queue import (
@@ -174,6 +174,11 @@ class EngineSlot:
     gate: ReloadGate = field(default_factory=ReloadGate)
     ready: bool = False
     """Admitted (see :meth:`RolloutWorker._admit`): episodes may be sent to it."""
+    lost: str | None = None
+    """Why it stopped answering while it was ready (a refused or dropped connection): it takes no
+    episodes until admitted again, which retries it with backoff."""
+    lost_at: float = 0.0
+    """``time.monotonic()`` when it was lost."""
     retired: bool = False
     """Gone from DNS: no new episodes; removed once ``leases`` is back to 0."""
     leases: int = 0
@@ -586,8 +591,32 @@ class RolloutWorker:
                     max_model_len=slot.max_model_len,
                     worker_id=self.consumer,
                 )
+        except EngineConnectionError as exc:
+            self._lose(slot, exc)
+            raise
         finally:
             slot.leases -= 1
+
+    def _lose(self, slot: EngineSlot, exc: EngineConnectionError) -> None:
+        """An engine stopped answering (killed, restarting): send it nothing until it answers
+        again. The episode's rerun waits for a ready engine, this one once it is re-admitted
+        (a restarted engine serves its base weights, so admission reloads the run's policy)."""
+        if not slot.ready or slot.retired:
+            return  # already lost by another episode, or on its way out
+        slot.ready, slot.version = False, None
+        slot.lost, slot.lost_at = str(exc), time.monotonic()
+        logger.warning("engine %s: lost (%s); no episodes go to it until it answers again", slot.url, exc)
+        self._update_version_gauge()
+        slot.admission = asyncio.create_task(self._admit(slot), name=f"readmit {slot.url}")
+
+    def unhealthy(self) -> str | None:
+        """Why no episode can be played now, or None: every engine this worker had is lost."""
+        slots = [slot for slot in self._slots if not slot.retired]
+        if not slots or any(slot.ready for slot in slots) or not all(slot.lost for slot in slots):
+            return None
+        now = time.monotonic()
+        lost = "; ".join(f"{slot.url} for {now - slot.lost_at:.0f} s ({slot.lost})" for slot in slots)
+        return f"no engine answers, episodes wait for one: {lost}"
 
     async def _pick_engine(self) -> EngineSlot:
         """The ready engine with the fewest episodes, preferring one not being reloaded; its lease
@@ -853,6 +882,9 @@ class RolloutWorker:
         if self.stopping:
             return
         slot.ready = True
+        if slot.lost is not None:
+            logger.info("engine %s: back after %.0f s", slot.url, time.monotonic() - slot.lost_at)
+            slot.lost = None
         logger.info("engine %s: ready, serving v%s", slot.url, slot.version)
         self._update_version_gauge()
         async with self._slots_changed:

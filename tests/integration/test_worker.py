@@ -292,6 +292,42 @@ def consumers(db: redis.Redis) -> set[str]:
     return {c["name"].decode() for c in db.xinfo_consumers(KEYS.jobs, ROLLOUT_GROUP)}
 
 
+def test_a_killed_engine_makes_the_worker_unhealthy_until_one_answers_again(
+    db: redis.Redis, workers, game_server: RunningServer, checkpoints, tmp_path: Path
+) -> None:
+    """The worker's only engine is SIGKILLed mid-run and restarted on its port: /health says so
+    meanwhile, the episodes wait for it, and every job ends with one trajectory and no error."""
+    port = free_port()
+    args = ["engine", "serve", "--model", str(checkpoints[0]), "--port", str(port), "--threads", "1"]
+    engine = start_server(args, port, tmp_path, name="engine-first")
+    worker = workers(engine.url, {"game": game_server.url}, checkpoints[0], "--concurrency", "4")
+    jobs = make_jobs(12, max_turns=6)
+    publish(db, jobs)
+    wait_for(lambda: db.xlen(KEYS.trajectories) >= 2, "the first trajectories", logs=[worker])
+    engine.process.send_signal(signal.SIGKILL)
+    engine.process.wait(timeout=10)
+
+    def health() -> httpx.Response:
+        return httpx.get(f"{worker.url}/health", timeout=10)
+
+    lost = wait_for(
+        lambda: (answer := health()).status_code == 503 and answer, "/health to be 503", logs=[worker]
+    )
+    error = lost.json()["error"]
+    assert error["code"] == "unhealthy" and error["message"].startswith("no engine answers")
+    assert f"127.0.0.1:{port}" in error["message"]
+    restarted = start_server(args, port, tmp_path, name="engine-second")
+    try:
+        wait_for(lambda: health().status_code == 200, "/health to recover", logs=[worker])
+        found = wait_trajectories(db, len(jobs), logs=[worker])
+        wait_for(lambda: pending_jobs(db) == 0, "every job to be acked", logs=[worker])
+    finally:
+        stop_server(restarted.process)
+    assert Counter(t.job_id for t in found) == Counter(job.job_id for job in jobs)
+    assert [t.error for t in found if t.error] == []
+    assert f"engine http://127.0.0.1:{port}: back after" in worker.log()
+
+
 def test_sigterm_stops_taking_jobs_and_loses_none(
     db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
 ) -> None:

@@ -301,6 +301,9 @@ def test_every_container_has_probes_resources_and_no_privileges(build: str) -> N
                 check = container[probe]
                 if image_name(container) == "redis":
                     assert "redis-cli ping" in " ".join(check["exec"]["command"]), f"{where}: {probe}"
+                elif name == "rollout" and probe == "livenessProbe":
+                    # Its /health fails while its engines are lost: a restart would not help.
+                    container_port(container, check["tcpSocket"]["port"])
                 else:
                     assert check["httpGet"]["path"] == "/health", f"{where}: {probe}"
                     container_port(container, check["httpGet"]["port"])
