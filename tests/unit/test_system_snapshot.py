@@ -9,7 +9,8 @@ import pytest
 
 from rollout_server.settings import WorkerSettings
 from services.rollout_protocol import WorkerHeartbeat
-from trainer.dashboard.system import CounterRates, SystemProbe, generated_tokens, redact_url
+from services.settings import redact_url
+from trainer.dashboard.system import CounterRates, SystemProbe, generated_tokens
 
 CPU_ENGINE_METRICS = """\
 # HELP engine_sequences_in_flight Admitted sequences

@@ -26,7 +26,6 @@ import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +36,7 @@ from redis.exceptions import RedisError
 from services.http_client import ClientErrors, HttpClient, parse_error_body
 from services.queue import connect, job_queue, trajectory_queue
 from services.rollout_protocol import RunKeys, WorkerHeartbeat, WorkerStatus
+from services.settings import redact_url
 
 PROBE_DEADLINE_S = 1.5
 """Longest a snapshot takes, however many services are dead or hanging."""
@@ -159,15 +159,6 @@ class CounterRates:
         if previous is None or value < previous[1] or now <= previous[0]:
             return None
         return (value - previous[1]) / (now - previous[0])
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: the page shows where Redis is, not its secret."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 @dataclass
