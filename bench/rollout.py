@@ -6,9 +6,9 @@ Everything is a real process on free loopback ports, as a user runs it:
 * ``stargym env serve game``;
 * ``stargym engine serve --model DIR`` on the tiny policy made in a temp dir from FrozenLake's texts
   (``init_tiny_model``, as ``stargym train`` makes the recipe's model);
-* **worker path**: ``stargym rollout --concurrency 64``, jobs pushed to ``stargym:jobs`` (kept
+* **worker path**: ``stargym rollout --concurrency 64``, jobs pushed to ``stargym:<run>:jobs`` (kept
   topped up so the worker never runs dry) and trajectories read back from
-  ``stargym:trajectories``;
+  ``stargym:<run>:trajectories``;
 * **direct path** (comparison): ``rollout_server.episode.run_episode`` driven by 64 asyncio tasks
   in this process, against the same env server and engine: the episode runner without the queue.
 
@@ -54,10 +54,9 @@ from deploy.model_init import init_tiny_model  # noqa: E402
 from deploy.redis_local import start_redis_server  # noqa: E402
 from services.rollout_protocol import (  # noqa: E402
     DATA_FIELD,
-    JOBS_STREAM,
     ROLLOUT_GROUP,
-    TRAJECTORIES_STREAM,
     RolloutJob,
+    RunKeys,
     SamplingParams,
     Trajectory,
 )
@@ -212,9 +211,13 @@ def summarise(trajectories: list[Trajectory], window: dict[str, Any], concurrenc
 # ---- the services ---------------------------------------------------------------------------
 
 
+KEYS = RunKeys("bench-rollout")
+"""The benchmark's run: the worker serves it, the feeder fills its job stream."""
+
+
 def make_job(index: int, max_turns: int, max_tokens: int) -> RolloutJob:
     return RolloutJob(
-        run_id="bench-rollout",
+        run_id=KEYS.run_id,
         env=ENV,
         seed=index,
         group_id=f"g{index}",
@@ -239,7 +242,7 @@ def service(
 
 
 class JobFeeder:
-    """Keeps ``stargym:jobs`` holding at least ``backlog`` undelivered jobs, so the worker never waits."""
+    """Keeps the run's job stream holding at least ``backlog`` undelivered jobs, so the worker never waits."""
 
     def __init__(self, db: redis.Redis, args: argparse.Namespace) -> None:
         self.db = db
@@ -248,9 +251,9 @@ class JobFeeder:
 
     def top_up(self) -> None:
         # The worker deletes acked jobs: what is left is pending (being played) or undelivered.
-        length = self.db.xlen(JOBS_STREAM)
+        length = self.db.xlen(KEYS.jobs)
         try:
-            pending = int(self.db.xpending(JOBS_STREAM, ROLLOUT_GROUP)["pending"])
+            pending = int(self.db.xpending(KEYS.jobs, ROLLOUT_GROUP)["pending"])
         except redis.ResponseError:  # no group yet: the worker has not started
             pending = 0
         missing = 4 * self.args.concurrency - (length - pending)
@@ -259,14 +262,14 @@ class JobFeeder:
         with self.db.pipeline(transaction=False) as pipe:
             for _ in range(missing):
                 job = make_job(self.issued, self.args.max_turns, self.args.max_tokens)
-                pipe.xadd(JOBS_STREAM, {DATA_FIELD: job.model_dump_json()})
+                pipe.xadd(KEYS.jobs, {DATA_FIELD: job.model_dump_json()})
                 self.issued += 1
             pipe.execute()
 
 
 def read_trajectories(db: redis.Redis, start_ms: int, end_ms: int) -> list[Trajectory]:
     """Trajectories whose stream entries were added in ``[start_ms, end_ms)`` (entry ids are Redis ms)."""
-    entries = db.xrange(TRAJECTORIES_STREAM, min=f"{start_ms}-0", max=f"({end_ms}-0")
+    entries = db.xrange(KEYS.trajectories, min=f"{start_ms}-0", max=f"({end_ms}-0")
     return [Trajectory.model_validate_json(fields[DATA_FIELD.encode()]) for _, fields in entries]
 
 
@@ -279,7 +282,7 @@ def bench_worker(
     feeder.top_up()
     worker_args = [
         "rollout", "--engine-url", engine.url, "--env", f"game={env_server.url}", "--tokenizer", str(model_dir),
-        "--concurrency", str(args.concurrency), "--shutdown-grace-s", "0",
+        "--concurrency", str(args.concurrency), "--shutdown-grace-s", "0", "--run", KEYS.run_id,
     ]  # fmt: skip
     with service("worker", worker_args, log_dir, env={"REDIS_URL": redis_url}) as worker:
         pids = {"engine": engine.process.pid, "worker": worker.process.pid, "env_server": env_server.process.pid,

@@ -1,17 +1,19 @@
 """``stargym dashboard RUNS_DIR``: the dashboard of finished (and running) runs, without a trainer.
 
     stargym dashboard checkpoints/
-    stargym dashboard runs/ --port 8301 --redis-url redis://127.0.0.1:6379/0
+    stargym dashboard runs/ --port 8301 --redis-url redis://127.0.0.1:6379/0 [--run NAME]
 
 Serves the same pages as the trainer's own dashboard, read-only, over every run directory under
-``RUNS_DIR``. With ``--redis-url`` (or ``REDIS_URL``) the system view shows the services that run
-against that Redis (rollout workers announce themselves there, with their env servers and
-engines); without one it says it has nothing to show. ``STARGYM_API_TOKEN`` protects it as it
+``RUNS_DIR``. With ``--redis-url`` (or ``REDIS_URL``) the system view shows the services of one
+run against that Redis (its rollout workers announce themselves there, with their env servers and
+engines): ``--run``, by default the run whose directory under ``RUNS_DIR`` changed last, the live
+one while a run trains; without a Redis URL it says it has nothing to show. ``STARGYM_API_TOKEN`` protects it as it
 protects every service.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,7 +24,9 @@ from fastapi import FastAPI
 from pydantic import Field
 
 from services.http_app import create_app
+from services.rollout_protocol import RUN_ID_PATTERN
 from services.settings import ServiceSettings
+from trainer.config import RunConfig
 
 
 class DashboardSettings(ServiceSettings):
@@ -43,6 +47,10 @@ def dashboard_command(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis of running services, for the system view (REDIS_URL).")
     ] = None,
+    run: Annotated[
+        str | None,
+        typer.Option(help="Run whose services the system view shows; default: the newest under RUNS_DIR."),
+    ] = None,
 ) -> None:
     """Serve the dashboard of the runs under RUNS_DIR."""
     import uvicorn
@@ -58,7 +66,10 @@ def dashboard_command(
     settings = DashboardSettings(**overrides)
     redis_url = redis_url or settings.redis_url
     token = settings.api_token.get_secret_value() if settings.api_token is not None else None
-    probe = SystemProbe(redis_url=redis_url, env_servers={}, api_token=token) if redis_url else None
+    probe = None
+    if redis_url:
+        run_id = run or newest_run(runs_dir)
+        probe = SystemProbe(redis_url=redis_url, env_servers={}, api_token=token, run_id=run_id)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,5 +87,13 @@ def dashboard_command(
             return (await probe.snapshot()).model_dump(mode="json")
 
     install_dashboard(app, RunsDirectory(runs_dir), texts=TokenTexts(), system=system)
-    typer.echo(f"dashboard of {runs_dir.resolve()} at http://{settings.host}:{settings.port}/")
+    shown = f"; system view: run {probe.keys.run_id!r}" if probe is not None else ""
+    typer.echo(f"dashboard of {runs_dir.resolve()} at http://{settings.host}:{settings.port}/{shown}")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+
+
+def newest_run(runs_dir: Path) -> str:
+    """The run directory under ``runs_dir`` modified last (a training run writes its metrics
+    there every step), or the trainer's default run name when there is none."""
+    runs = [path for path in runs_dir.iterdir() if path.is_dir() and re.fullmatch(RUN_ID_PATTERN, path.name)]
+    return max(runs, key=lambda path: path.stat().st_mtime).name if runs else RunConfig().name

@@ -24,6 +24,8 @@ from types import TracebackType
 import redis
 from redis.exceptions import RedisError
 
+from services.settings import redact_url
+
 logger = logging.getLogger(__name__)
 
 _START_ATTEMPTS = 3
@@ -133,7 +135,7 @@ def local_redis(url: str | None = None) -> LocalRedis:
     if url:
         if redis_reachable(url):
             return LocalRedis(url=url, source="REDIS_URL")
-        logger.warning("Redis at %s does not answer; starting a private one", url)
+        logger.warning("Redis at %s does not answer; starting a private one", redact_url(url))
     return start_redis_server()
 
 

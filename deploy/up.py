@@ -30,6 +30,7 @@ from deploy.launcher import ServiceProcess, free_port, start_service
 from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
 from services.contracts import FAMILY_PORTS
+from services.settings import redact_url
 from trainer.config import TrainConfig
 
 DEFAULT_CONCURRENCY = 64
@@ -98,7 +99,7 @@ def bring_up(
     started: list[ServiceProcess] = []
     redis = local_redis(redis_url)
     try:
-        console.print(f"Redis: {redis.url} ({redis.source})", highlight=False)
+        console.print(f"Redis: {redact_url(redis.url)} ({redis.source})", highlight=False)
         env = {"REDIS_URL": redis.url}
         env_urls: dict[str, str] = {}
         for family in sorted({spec.family for spec in config.envs.mix}):
@@ -125,7 +126,7 @@ def bring_up(
         console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
         port = _port(8200)
         args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
-                "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
+                "--run", config.run.name, "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
         for family, url in env_urls.items():
             args += ["--env", f"{family}={url}"]
         worker = start_service(

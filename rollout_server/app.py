@@ -1,5 +1,8 @@
 """The rollout worker's HTTP API on :8200: /health, /metrics and /status.
 
+/health is a 503 naming the engines while every engine the worker had is lost (it stopped
+answering); the worker waits for one to come back, and is healthy again once it does.
+
 The worker runs inside the app's lifespan: it starts with the server and, when uvicorn shuts down
 (SIGTERM, SIGINT), stops taking jobs and finishes or abandons its in-flight episodes before the
 process exits (see :meth:`rollout_server.worker.RolloutWorker.shutdown`).
@@ -37,8 +40,16 @@ def build_app(settings: WorkerSettings, tokenizer: Any, **worker_options: Any) -
             await worker.shutdown()
             await task
 
+    def unhealthy(app: FastAPI) -> str | None:
+        worker: RolloutWorker | None = getattr(app.state, "worker", None)
+        return worker.unhealthy() if worker is not None else None
+
     app = create_app(
-        "rollout", settings, description="Rollout worker: jobs in, trajectories out.", lifespan=lifespan
+        "rollout",
+        settings,
+        description="Rollout worker: jobs in, trajectories out.",
+        lifespan=lifespan,
+        unhealthy=unhealthy,
     )
 
     @app.get("/status", response_model=WorkerStatus, tags=["rollout"])

@@ -38,6 +38,10 @@ def rollout_command(
             "resolves to several addresses is one server per address [STARGYM_ROLLOUT_ENV_URLS].",
         ),
     ] = None,
+    run: Annotated[
+        str | None,
+        typer.Option(help="The run served: the trainer's run.name, default 'run' [STARGYM_ROLLOUT_RUN]."),
+    ] = None,
     concurrency: Annotated[
         int | None, typer.Option(min=1, help="Episodes at once [STARGYM_ROLLOUT_CONCURRENCY].")
     ] = None,
@@ -70,6 +74,7 @@ def rollout_command(
     overrides = {
         "engine_urls": parse_engine_urls(",".join(engine_url)) if engine_url else None,
         "env_urls": _env_urls(env) if env else None,
+        "run": run,
         "concurrency": concurrency,
         "tokenizer": tokenizer,
         "host": host,

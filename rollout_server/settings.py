@@ -17,6 +17,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from services.contracts import ROLLOUT_PORT, parse_env_servers
+from services.rollout_protocol import RUN_ID_PATTERN
 from services.settings import ONE_MIB, OptionalToken, ServiceSettings
 
 ENV_PREFIX = "STARGYM_ROLLOUT_"
@@ -82,6 +83,12 @@ class WorkerSettings(ServiceSettings):
         description="Directory of the tokenizer and chat template of the served policy; "
         "None: the model directory the engine reports (GET /v1/models 'root').",
     )
+    run: str = Field(
+        default="run",
+        pattern=RUN_ID_PATTERN,
+        description="The run served: its jobs, trajectories and policy are under stargym:<run>: in "
+        "Redis; the trainer's run.name (whose default is also 'run').",
+    )
     concurrency: int = Field(default=64, gt=0)
     consumer: str | None = Field(
         default=None,
@@ -98,6 +105,12 @@ class WorkerSettings(ServiceSettings):
         description="How often in-flight jobs are touched; default a third of the visibility timeout.",
     )
     reclaim_interval_s: float = Field(default=5.0, gt=0)
+    max_deliveries: int = Field(
+        default=3,
+        ge=1,
+        description="A job reclaimed after this many deliveries (each worker that took it died) is "
+        "dead-lettered to stargym:<run>:jobs:dead instead of killing another worker.",
+    )
     block_ms: int = Field(
         default=1000,
         gt=0,
@@ -147,7 +160,7 @@ class WorkerSettings(ServiceSettings):
     heartbeat_s: float = Field(
         default=2.0,
         gt=0,
-        description="How often the worker rewrites its entry in the stargym:workers registry.",
+        description="How often the worker rewrites its entry in the run's workers registry.",
     )
     advertise_url: str | None = Field(
         default=None,

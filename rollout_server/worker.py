@@ -1,4 +1,5 @@
-"""The rollout worker: turns jobs from ``stargym:jobs`` into trajectories on ``stargym:trajectories``.
+"""The rollout worker: turns its run's jobs (``stargym:<run>:jobs``) into trajectories
+(``stargym:<run>:trajectories``). A worker serves one run, ``--run``: it loads that run's policy.
 
 One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
 
@@ -21,8 +22,11 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
   stream, and a job run twice (after a reclaim) is published once;
 * **touch / reclaim**: in-flight jobs are touched every third of the visibility timeout, so long
   episodes are not taken away; jobs pending longer than the timeout on any consumer (a dead
-  worker's) are reclaimed with ``XAUTOCLAIM`` and run here;
-* **reload**: ``stargym:policy`` is watched; when it names another version, each engine is
+  worker's) are reclaimed with ``XAUTOCLAIM`` and run here, unless they were delivered
+  ``max_deliveries`` times already (a poison job, one that kills every worker that runs it): that
+  one is dead-lettered. Consumer names that hold nothing and were idle for the timeout (dead
+  workers') are then removed from the group;
+* **reload**: the run's ``policy`` hash is watched; when it names another version, each engine is
   reloaded in turn (pause → ``reload_weights`` → ``update_weight_version`` → resume) behind a
   gate that lets the episodes running on it finish and holds new ones back. Every episode runs
   under one engine version, so every turn is tagged with the version it was sampled under;
@@ -30,7 +34,7 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
   published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
   request retried by the engine client (for ``engine_busy_timeout_s``; counted as
   ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them.
-* **heartbeat**: the worker's entry in the ``stargym:workers`` hash (its URL, the env servers and
+* **heartbeat**: the worker's entry in the run's ``workers`` hash (its URL, the env servers and
   engines it uses now, and :class:`WorkerStatus`) is rewritten every ``heartbeat_s`` and deleted
   on a clean stop, so the dashboard finds every worker and the services behind it;
 * **shutdown**: :meth:`RolloutWorker.shutdown` (SIGTERM, through uvicorn's lifespan) stops taking
@@ -62,7 +66,7 @@ from redis.exceptions import RedisError
 from rollout_server.episode import EpisodeEnvError, run_episode
 from rollout_server.settings import WorkerSettings
 from services.endpoints import Discovery, Endpoint, Resolver, ServerPool, pick_least_busy
-from services.engine_client import EngineClient, EngineClientError
+from services.engine_client import EngineClient, EngineClientError, EngineConnectionError
 from services.env_client import EnvClient, EnvClientError
 from services.http_client import Backoff
 from services.queue import (
@@ -75,13 +79,12 @@ from services.queue import (
     watch_policy,
 )
 from services.rollout_protocol import (
-    DONE_KEY_PREFIX,
     WORKER_ENTRY_MAX_AGE_S,
-    WORKERS_KEY,
     EngineStatus,
     EnvServerStatus,
     PolicyPointer,
     RolloutJob,
+    RunKeys,
     Trajectory,
     WorkerHeartbeat,
     WorkerStatus,
@@ -171,6 +174,11 @@ class EngineSlot:
     gate: ReloadGate = field(default_factory=ReloadGate)
     ready: bool = False
     """Admitted (see :meth:`RolloutWorker._admit`): episodes may be sent to it."""
+    lost: str | None = None
+    """Why it stopped answering while it was ready (a refused or dropped connection): it takes no
+    episodes until admitted again, which retries it with backoff."""
+    lost_at: float = 0.0
+    """``time.monotonic()`` when it was lost."""
     retired: bool = False
     """Gone from DNS: no new episodes; removed once ``leases`` is back to 0."""
     leases: int = 0
@@ -256,6 +264,7 @@ class RolloutWorker:
         self.settings = settings
         self.tokenizer = tokenizer
         self.consumer = settings.consumer or default_consumer_name()
+        self.keys = RunKeys(settings.run)
         self._run_episode = run_episode
         registry = registry or CollectorRegistry()
         self._metrics = _Metrics(registry)
@@ -338,8 +347,8 @@ class RolloutWorker:
     async def _open(self) -> None:
         settings = self.settings
         self._redis = connect(settings.redis_url)
-        self._jobs = job_queue(self._redis)
-        self._trajectories = trajectory_queue(self._redis)
+        self._jobs = job_queue(self._redis, self.keys, settings.max_deliveries)
+        self._trajectories = trajectory_queue(self._redis, self.keys)
         env_token = settings.env_api_token.get_secret_value() if settings.env_api_token else None
         for family in self._env_discovery:
             self._envs[family] = ServerPool(lambda url: EnvClient(url, token=env_token))
@@ -423,6 +432,7 @@ class RolloutWorker:
                     next_reclaim = time.monotonic() + settings.reclaim_interval_s
                     reclaimed = await self._jobs.reclaim(self.consumer, min_idle_ms, count=free)
                     deliveries += [(d, True) for d in reclaimed if d.entry_id not in self._in_flight]
+                    await self._jobs.prune_consumers(min_idle_ms, keep=self.consumer)
                 if len(deliveries) < free:
                     fresh = await self._jobs.consume(
                         self.consumer, count=free - len(deliveries), block_ms=settings.block_ms
@@ -485,7 +495,7 @@ class RolloutWorker:
     async def _already_done(self, job: RolloutJob) -> bool:
         assert self._redis is not None
         try:
-            return bool(await self._redis.exists(DONE_KEY_PREFIX + job.job_id))
+            return bool(await self._redis.exists(self.keys.done(job.job_id)))
         except _TRANSIENT as exc:
             self._redis_error("checking a reclaimed job", exc)
             return False
@@ -505,7 +515,9 @@ class RolloutWorker:
         backoff = Backoff(self.settings.redis_backoff_s, self.settings.redis_max_backoff_s)
         while True:
             try:
-                completion = await complete_job(self._jobs, delivery, self._trajectories, trajectory)
+                completion = await complete_job(
+                    self.keys, self._jobs, delivery, self._trajectories, trajectory
+                )
                 break
             except _TRANSIENT as exc:
                 self._redis_error(f"publishing the trajectory of job {trajectory.job_id}", exc)
@@ -579,8 +591,32 @@ class RolloutWorker:
                     max_model_len=slot.max_model_len,
                     worker_id=self.consumer,
                 )
+        except EngineConnectionError as exc:
+            self._lose(slot, exc)
+            raise
         finally:
             slot.leases -= 1
+
+    def _lose(self, slot: EngineSlot, exc: EngineConnectionError) -> None:
+        """An engine stopped answering (killed, restarting): send it nothing until it answers
+        again. The episode's rerun waits for a ready engine, this one once it is re-admitted
+        (a restarted engine serves its base weights, so admission reloads the run's policy)."""
+        if not slot.ready or slot.retired:
+            return  # already lost by another episode, or on its way out
+        slot.ready, slot.version = False, None
+        slot.lost, slot.lost_at = str(exc), time.monotonic()
+        logger.warning("engine %s: lost (%s); no episodes go to it until it answers again", slot.url, exc)
+        self._update_version_gauge()
+        slot.admission = asyncio.create_task(self._admit(slot), name=f"readmit {slot.url}")
+
+    def unhealthy(self) -> str | None:
+        """Why no episode can be played now, or None: every engine this worker had is lost."""
+        slots = [slot for slot in self._slots if not slot.retired]
+        if not slots or any(slot.ready for slot in slots) or not all(slot.lost for slot in slots):
+            return None
+        now = time.monotonic()
+        lost = "; ".join(f"{slot.url} for {now - slot.lost_at:.0f} s ({slot.lost})" for slot in slots)
+        return f"no engine answers, episodes wait for one: {lost}"
 
     async def _pick_engine(self) -> EngineSlot:
         """The ready engine with the fewest episodes, preferring one not being reloaded; its lease
@@ -631,7 +667,7 @@ class RolloutWorker:
     # -- the worker registry ------------------------------------------------------------------
 
     def heartbeat(self) -> WorkerHeartbeat:
-        """This worker's entry in :data:`~services.rollout_protocol.WORKERS_KEY`, as of now."""
+        """This worker's entry in the run's worker registry (:attr:`~services.rollout_protocol.RunKeys.workers`), as of now."""
         settings = self.settings
         return WorkerHeartbeat(
             worker_id=self.consumer,
@@ -653,7 +689,7 @@ class RolloutWorker:
         next_prune = 0.0
         while True:
             try:
-                await self._redis.hset(WORKERS_KEY, self.consumer, self.heartbeat().model_dump_json())
+                await self._redis.hset(self.keys.workers, self.consumer, self.heartbeat().model_dump_json())
                 if time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + PRUNE_INTERVAL_S
                     await self._prune_registry()
@@ -667,20 +703,20 @@ class RolloutWorker:
         """Delete the entries of workers silent for :data:`WORKER_ENTRY_MAX_AGE_S` (or unreadable)."""
         assert self._redis is not None
         oldest = time.time() - WORKER_ENTRY_MAX_AGE_S
-        entries = await self._redis.hgetall(WORKERS_KEY)
+        entries = await self._redis.hgetall(self.keys.workers)
         dead = [
             worker_id for worker_id, raw in entries.items() if WorkerHeartbeat.updated_at_of(raw) < oldest
         ]
         if dead:
-            await self._redis.hdel(WORKERS_KEY, *dead)
-            logger.info("pruned %d dead workers from %s", len(dead), WORKERS_KEY)
+            await self._redis.hdel(self.keys.workers, *dead)
+            logger.info("pruned %d dead workers from %s", len(dead), self.keys.workers)
 
     async def _unregister(self) -> None:
         """Delete this worker's registry entry on a clean stop, within :data:`UNREGISTER_TIMEOUT_S`."""
         if self._redis is None:
             return
         try:
-            await asyncio.wait_for(self._redis.hdel(WORKERS_KEY, self.consumer), UNREGISTER_TIMEOUT_S)
+            await asyncio.wait_for(self._redis.hdel(self.keys.workers, self.consumer), UNREGISTER_TIMEOUT_S)
         except (*_TRANSIENT, TimeoutError) as exc:
             self._redis_error("removing the heartbeat", exc)
 
@@ -691,7 +727,7 @@ class RolloutWorker:
         backoff = Backoff(self.settings.redis_backoff_s, self.settings.redis_max_backoff_s)
         while True:
             try:
-                async for pointer in watch_policy(self._redis, poll_s=self.settings.policy_poll_s):
+                async for pointer in watch_policy(self._redis, self.keys, poll_s=self.settings.policy_poll_s):
                     backoff.reset()
                     logger.info("policy v%d at %s", pointer.version, pointer.path)
                     self._target = pointer
@@ -699,7 +735,7 @@ class RolloutWorker:
             except _TRANSIENT as exc:
                 self._redis_error("watching the policy", exc)
                 await asyncio.sleep(backoff.next_delay())
-            except Exception:  # e.g. a malformed stargym:policy hash: keep watching
+            except Exception:  # e.g. a malformed policy hash: keep watching
                 logger.exception("unexpected error watching the policy")
                 await asyncio.sleep(backoff.next_delay())
 
@@ -846,6 +882,9 @@ class RolloutWorker:
         if self.stopping:
             return
         slot.ready = True
+        if slot.lost is not None:
+            logger.info("engine %s: back after %.0f s", slot.url, time.monotonic() - slot.lost_at)
+            slot.lost = None
         logger.info("engine %s: ready, serving v%s", slot.url, slot.version)
         self._update_version_gauge()
         async with self._slots_changed:

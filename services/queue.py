@@ -11,7 +11,13 @@ trajectory published twice for a job that was run twice, cannot happen.
 
 Entries that do not parse (bad JSON, failing validation, wrong fields) are copied to
 ``<stream>:dead`` with the reason and acked, so one bad producer neither crashes consumers nor
-blocks the group, and nothing disappears unseen.
+blocks the group, and nothing disappears unseen. So are poison entries, ones whose consumer dies
+every time it takes them: a queue with ``max_deliveries`` parks an entry reclaimed past that many
+deliveries instead of handing it to a next victim.
+
+Consumers are never removed by the process that created them (a SIGKILLed worker cannot), so
+:meth:`StreamQueue.prune_consumers` removes the names that hold nothing and have been silent for
+the visibility timeout, in one Lua script that cannot drop an entry delivered meanwhile.
 
 Every call is bounded: clients made by :func:`connect` have socket and connect timeouts and a
 few fast retries, so a dead Redis surfaces as ``redis.exceptions.ConnectionError`` within seconds.
@@ -35,15 +41,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.rollout_protocol import (
     DATA_FIELD,
     DEAD_LETTER_SUFFIX,
-    DONE_KEY_PREFIX,
-    JOBS_STREAM,
-    POLICY_KEY,
-    POLICY_UPDATES_CHANNEL,
     ROLLOUT_GROUP,
     TRAINER_GROUP,
-    TRAJECTORIES_STREAM,
     PolicyPointer,
     RolloutJob,
+    RunKeys,
     Trajectory,
 )
 
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_DEDUP_TTL_S = 24 * 3600
-"""How long ``stargym:done:<job_id>`` lives: far longer than any job can stay pending."""
+"""How long a run's ``done:<job_id>`` key lives: far longer than any job can stay pending."""
 DEAD_LETTER_MAXLEN = 10_000
 # A dead letter keeps the entry's own fields untouched, so it can be replayed once fixed, and
 # adds why it failed, its id in the source stream and the consumer that read it.
@@ -120,15 +122,21 @@ class StreamQueue(Generic[M]):
         *,
         maxlen: int | None = None,
         delete_on_ack: bool = True,
+        max_deliveries: int | None = None,
     ) -> None:
         """``maxlen`` trims approximately on publish; leave it None for streams whose entries
-        must not be lost before they are read (jobs, trajectories awaiting a checkpoint)."""
+        must not be lost before they are read (jobs, trajectories awaiting a checkpoint).
+        ``max_deliveries``: an entry reclaimed after this many deliveries is dead-lettered
+        (None: no limit)."""
+        if max_deliveries is not None and max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be at least 1 or None; got {max_deliveries}")
         self.redis = redis
         self.stream = stream
         self.model = model
         self.group = group
         self.maxlen = maxlen
         self.delete_on_ack = delete_on_ack
+        self.max_deliveries = max_deliveries
 
     @property
     def dead_letter_stream(self) -> str:
@@ -185,7 +193,9 @@ class StreamQueue(Generic[M]):
 
         This is the visibility timeout: a worker that died mid-episode never acks, and its jobs
         come back here. A trainer that restarts calls it with ``min_idle_ms=0`` to re-read what
-        it had consumed but not yet acked.
+        it had consumed but not yet acked. With ``max_deliveries``, an entry whose delivery
+        count (the first read plus every reclaim, this one included) passes it is dead-lettered
+        and left out: each consumer it went to died before acking it.
         """
         deliveries: list[Delivery[M]] = []
         cursor = "0-0"
@@ -205,10 +215,33 @@ class StreamQueue(Generic[M]):
                 await self.ensure_group()
                 return deliveries
             cursor = _text(reply[0])
-            deliveries += await self._accept(consumer, reply[1])
+            deliveries += await self._accept(consumer, await self._park_poison(consumer, reply[1]))
             if cursor == "0-0":
                 break
         return deliveries
+
+    async def prune_consumers(self, min_idle_ms: int, keep: str) -> list[str]:
+        """Remove the group's consumers that hold no pending entry and were idle ``min_idle_ms``.
+
+        Every restarted worker joins under a new name, so without this the group lists every
+        worker that ever ran. A live worker reads at least every ``block_ms`` unless all its
+        slots are busy, and then it holds pending entries; a live consumer removed anyway is
+        recreated by its next read, so removing one that holds nothing loses nothing.
+        The check and the removal are one script: ``XGROUP DELCONSUMER`` discards the
+        consumer's pending entries, and none can arrive between the two. Returns the names
+        removed; ``keep`` (the caller) is never one.
+        """
+        script = self.redis.register_script(_PRUNE_CONSUMERS)
+        try:
+            removed = await script(keys=[self.stream], args=[self.group, min_idle_ms, keep])
+        except ResponseError as exc:
+            if _is_nogroup(exc):
+                return []
+            raise
+        names = [_text(name, errors="replace") for name in removed]
+        if names:
+            logger.info("%s: removed %d idle consumers that held nothing: %s", self.stream, len(names), names)
+        return names
 
     async def touch(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
         """Reset the idle time of entries still being worked on, so they are not reclaimed.
@@ -298,7 +331,7 @@ class StreamQueue(Generic[M]):
         skipped and stay in its pending count.
         """
         deliveries: list[Delivery[M]] = []
-        malformed: list[tuple[str, dict[Any, Any], Exception]] = []
+        malformed: list[tuple[str, dict[Any, Any], str]] = []
         for raw_id, fields in entries:
             if raw_id is None:
                 logger.warning("%s: skipping a pending entry whose data was deleted", self.stream)
@@ -307,10 +340,41 @@ class StreamQueue(Generic[M]):
             try:
                 deliveries.append(Delivery(entry_id, self._parse(fields)))
             except ValueError as exc:  # pydantic's ValidationError and UnicodeDecodeError included
-                malformed.append((entry_id, fields, exc))
+                malformed.append((entry_id, fields, f"malformed: {exc}"))
         if malformed:
             await self._dead_letter(consumer, malformed)
         return deliveries
+
+    async def _park_poison(
+        self, consumer: str, entries: list[tuple[Any, dict[Any, Any]]]
+    ) -> list[tuple[Any, dict[Any, Any]]]:
+        """The claimed entries still under ``max_deliveries``; the others are dead-lettered.
+
+        The counts are read after the claim, which reset the entries' idle time, so no other
+        consumer can claim them in between.
+        """
+        if self.max_deliveries is None or not entries:
+            return entries
+        claimed = [entry for entry in entries if entry[0] is not None]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for raw_id, _ in claimed:
+                pipe.xpending_range(self.stream, self.group, raw_id, raw_id, 1)
+            pending = await pipe.execute()
+        deliveries = {_text(row[0]["message_id"]): int(row[0]["times_delivered"]) for row in pending if row}
+        kept, poison = [], []
+        for raw_id, fields in entries:
+            times = deliveries.get(_text(raw_id)) if raw_id is not None else None
+            if times is not None and times > self.max_deliveries:
+                reason = (
+                    f"delivered {times - 1} times (max_deliveries {self.max_deliveries}) and never "
+                    "acked: each consumer that took it died or stalled past the visibility timeout"
+                )
+                poison.append((_text(raw_id), fields, reason))
+            else:
+                kept.append((raw_id, fields))
+        if poison:
+            await self._dead_letter(consumer, poison)
+        return kept
 
     def _parse(self, fields: dict[Any, Any]) -> M:
         names = sorted(_text(name, errors="replace") for name in fields)
@@ -319,39 +383,38 @@ class StreamQueue(Generic[M]):
         (data,) = fields.values()
         return self.model.model_validate_json(data)
 
-    async def _dead_letter(
-        self, consumer: str, malformed: list[tuple[str, dict[Any, Any], Exception]]
-    ) -> None:
-        """Move malformed entries to ``<stream>:dead`` and ack them, in one transaction."""
+    async def _dead_letter(self, consumer: str, failed: list[tuple[str, dict[Any, Any], str]]) -> None:
+        """Move entries to ``<stream>:dead`` with their reasons and ack them, in one transaction."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            for entry_id, fields, exc in malformed:
-                logger.error("%s: entry %s is malformed, dead-lettered: %s", self.stream, entry_id, exc)
+            for entry_id, fields, reason in failed:
+                logger.error("%s: entry %s dead-lettered: %s", self.stream, entry_id, reason)
                 pipe.xadd(
                     self.dead_letter_stream,
                     {
                         **fields,
-                        DEAD_ERROR_FIELD: str(exc)[:_MAX_ERROR_CHARS],
+                        DEAD_ERROR_FIELD: reason[:_MAX_ERROR_CHARS],
                         DEAD_SOURCE_ID_FIELD: entry_id,
                         DEAD_CONSUMER_FIELD: consumer,
                     },
                     maxlen=DEAD_LETTER_MAXLEN,
                     approximate=True,
                 )
-            ids = [entry_id for entry_id, _, _ in malformed]
+            ids = [entry_id for entry_id, _, _ in failed]
             pipe.xack(self.stream, self.group, *ids)
             if self.delete_on_ack:
                 pipe.xdel(self.stream, *ids)
             await pipe.execute()
 
 
-def job_queue(redis: Redis) -> StreamQueue[RolloutJob]:
-    """``stargym:jobs`` read by the ``rollout`` group."""
-    return StreamQueue(redis, JOBS_STREAM, RolloutJob, ROLLOUT_GROUP)
+def job_queue(redis: Redis, keys: RunKeys, max_deliveries: int | None = None) -> StreamQueue[RolloutJob]:
+    """The run's jobs, read by the ``rollout`` group; only the workers, which reclaim, need
+    ``max_deliveries``."""
+    return StreamQueue(redis, keys.jobs, RolloutJob, ROLLOUT_GROUP, max_deliveries=max_deliveries)
 
 
-def trajectory_queue(redis: Redis) -> StreamQueue[Trajectory]:
-    """``stargym:trajectories`` read by the ``trainer`` group."""
-    return StreamQueue(redis, TRAJECTORIES_STREAM, Trajectory, TRAINER_GROUP)
+def trajectory_queue(redis: Redis, keys: RunKeys) -> StreamQueue[Trajectory]:
+    """The run's trajectories, read by the ``trainer`` group."""
+    return StreamQueue(redis, keys.trajectories, Trajectory, TRAINER_GROUP)
 
 
 @dataclass(frozen=True)
@@ -363,6 +426,22 @@ class JobCompletion:
     acked: bool
     """False when the job was no longer pending (acked by another worker, or Redis lost it)."""
 
+
+# KEYS: stream. ARGV: group, min idle ms, consumer to keep.
+# XINFO CONSUMERS gives each consumer as a flat list of field/value pairs (name, pending, idle, and
+# inactive since Redis 7.2).
+_PRUNE_CONSUMERS = """
+local removed = {}
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local fields = {}
+  for i = 1, #consumer, 2 do fields[consumer[i]] = consumer[i + 1] end
+  if fields['pending'] == 0 and fields['idle'] >= tonumber(ARGV[2]) and fields['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], fields['name'])
+    table.insert(removed, fields['name'])
+  end
+end
+return removed
+"""
 
 # KEYS: done key, trajectory stream, job stream.
 # ARGV: data field, trajectory JSON, dedup TTL s, trajectory maxlen (0: none), job group,
@@ -388,6 +467,7 @@ return {published, acked}
 
 
 async def complete_job(
+    keys: RunKeys,
     jobs: StreamQueue[RolloutJob],
     delivery: Delivery[RolloutJob],
     trajectories: StreamQueue[Trajectory],
@@ -405,7 +485,7 @@ async def complete_job(
         raise ValueError(f"trajectory of job {trajectory.job_id} cannot complete job {delivery.model.job_id}")
     script = jobs.redis.register_script(_COMPLETE_JOB)
     published, acked = await script(
-        keys=[DONE_KEY_PREFIX + trajectory.job_id, trajectories.stream, jobs.stream],
+        keys=[keys.done(trajectory.job_id), trajectories.stream, jobs.stream],
         args=[
             DATA_FIELD,
             trajectory.model_dump_json(),
@@ -419,23 +499,24 @@ async def complete_job(
     return JobCompletion(published=bool(published), acked=bool(acked))
 
 
-async def set_policy(redis: Redis, version: int, path: str) -> PolicyPointer:
-    """Point workers at a new policy: set ``stargym:policy`` and announce it, in one transaction."""
+async def set_policy(redis: Redis, keys: RunKeys, version: int, path: str) -> PolicyPointer:
+    """Point the run's workers at a new policy: set its policy hash and announce it, in one
+    transaction."""
     pointer = PolicyPointer(version=version, path=str(path))
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(POLICY_KEY, mapping=pointer.to_hash())
-        pipe.publish(POLICY_UPDATES_CHANNEL, pointer.model_dump_json())
+        pipe.hset(keys.policy, mapping=pointer.to_hash())
+        pipe.publish(keys.policy_updates, pointer.model_dump_json())
         await pipe.execute()
     return pointer
 
 
-async def get_policy(redis: Redis) -> PolicyPointer | None:
-    """The newest published policy, or None before the first one."""
-    fields = await redis.hgetall(POLICY_KEY)
+async def get_policy(redis: Redis, keys: RunKeys) -> PolicyPointer | None:
+    """The run's newest published policy, or None before the first one."""
+    fields = await redis.hgetall(keys.policy)
     return PolicyPointer.from_hash(fields) if fields else None
 
 
-async def watch_policy(redis: Redis, *, poll_s: float = 5.0) -> AsyncIterator[PolicyPointer]:
+async def watch_policy(redis: Redis, keys: RunKeys, *, poll_s: float = 5.0) -> AsyncIterator[PolicyPointer]:
     """Yield the current policy, then each new one as it is published.
 
     An update message only wakes the loop; the hash is the truth, re-read on every wake and at
@@ -443,10 +524,10 @@ async def watch_policy(redis: Redis, *, poll_s: float = 5.0) -> AsyncIterator[Po
     by at most ``poll_s`` instead of losing it.
     """
     async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-        await pubsub.subscribe(POLICY_UPDATES_CHANNEL)
+        await pubsub.subscribe(keys.policy_updates)
         last: PolicyPointer | None = None
         while True:
-            current = await get_policy(redis)
+            current = await get_policy(redis, keys)
             if current is not None and current != last:
                 last = current
                 yield current

@@ -9,8 +9,10 @@ on silently dropped data.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import orjson
@@ -18,32 +20,80 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from services.env_protocol import Seed, WireModel
 
-JOBS_STREAM = "stargym:jobs"
-"""Stream of :class:`RolloutJob`, written by the trainer's controller, read by rollout workers."""
-TRAJECTORIES_STREAM = "stargym:trajectories"
-"""Stream of :class:`Trajectory`, written by rollout workers, read by the trainer."""
-POLICY_KEY = "stargym:policy"
-"""Hash ``{version, path}``: the newest published policy (see :class:`PolicyPointer`)."""
-POLICY_UPDATES_CHANNEL = "stargym:policy-updates"
-"""Pub/sub channel; each message is a :class:`PolicyPointer` as JSON."""
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""What a run id may be: it is part of every Redis name of the run and names its directory."""
 ROLLOUT_GROUP = "rollout"
-"""Consumer group of the rollout workers on :data:`JOBS_STREAM`."""
+"""Consumer group of the rollout workers on :attr:`RunKeys.jobs`."""
 TRAINER_GROUP = "trainer"
-"""Consumer group of the trainer on :data:`TRAJECTORIES_STREAM`."""
-DONE_KEY_PREFIX = "stargym:done:"
-"""``stargym:done:<job_id>`` exists once that job's trajectory is in the stream (deduplication)."""
+"""Consumer group of the trainer on :attr:`RunKeys.trajectories`."""
 DEAD_LETTER_SUFFIX = ":dead"
-"""Entries that cannot be parsed are moved to ``<stream>:dead`` with the reason."""
+"""Entries that cannot be parsed, and poison jobs, are moved to ``<stream>:dead`` with the reason."""
 DATA_FIELD = "data"
 """The one field of every stream entry: the model's JSON."""
-WORKERS_KEY = "stargym:workers"
-"""Hash ``{worker_id: WorkerHeartbeat JSON}``: the registry of rollout workers, so the dashboard finds
-every worker, and through them every env server and engine, without being told their URLs. Each
-worker rewrites its field every ``heartbeat_s`` and deletes it on a clean stop; a crashed worker's
-field stays, its ``updated_at`` ageing, until a live worker prunes it (:data:`WORKER_ENTRY_MAX_AGE_S`)."""
 WORKER_ENTRY_MAX_AGE_S = 3600.0
 """Registry fields not rewritten for this long are deleted by the next worker that writes its own,
 so the hash stays bounded however many workers crash."""
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The Redis names of one run, all under ``stargym:<run_id>:``: several runs share one Redis
+    and none sees another's jobs, trajectories, policy or workers. A worker serves one run (it
+    loads that run's policy), so it is started with the run id, as the trainer is."""
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(RUN_ID_PATTERN, self.run_id):
+            raise ValueError(f"run id {self.run_id!r} does not match {RUN_ID_PATTERN}")
+
+    @property
+    def prefix(self) -> str:
+        return f"stargym:{self.run_id}:"
+
+    @property
+    def jobs(self) -> str:
+        """Stream of :class:`RolloutJob`, written by the trainer's controller, read by rollout workers."""
+        return self.prefix + "jobs"
+
+    @property
+    def trajectories(self) -> str:
+        """Stream of :class:`Trajectory`, written by rollout workers, read by the trainer."""
+        return self.prefix + "trajectories"
+
+    @property
+    def policy(self) -> str:
+        """Hash ``{version, path}``: the newest published policy (see :class:`PolicyPointer`)."""
+        return self.prefix + "policy"
+
+    @property
+    def policy_updates(self) -> str:
+        """Pub/sub channel; each message is a :class:`PolicyPointer` as JSON."""
+        return self.prefix + "policy-updates"
+
+    @property
+    def workers(self) -> str:
+        """Hash ``{worker_id: WorkerHeartbeat JSON}``: the registry of the run's rollout workers, so
+        the dashboard finds every worker, and through them every env server and engine, without
+        being told their URLs. Each worker rewrites its field every ``heartbeat_s`` and deletes it
+        on a clean stop; a crashed worker's field stays, its ``updated_at`` ageing, until a live
+        worker prunes it (:data:`WORKER_ENTRY_MAX_AGE_S`)."""
+        return self.prefix + "workers"
+
+    def done(self, job_id: str) -> str:
+        """Exists once that job's trajectory is in the stream (deduplication)."""
+        return f"{self.prefix}done:{job_id}"
+
+    @staticmethod
+    def workers_pattern() -> str:
+        """``SCAN`` pattern of every run's worker registry: how a trainer whose run has no worker
+        finds the runs that do."""
+        return "stargym:*:workers"
+
+    @staticmethod
+    def run_of_workers_key(key: str) -> str:
+        return key.removeprefix("stargym:").removesuffix(":workers")
+
 
 ActionFormat = Literal["plain", "answer_tags"]
 
@@ -70,7 +120,9 @@ class JobFields(RolloutWireModel):
     """The fields a trajectory repeats from its job, so the trainer needs nothing but the trajectory."""
 
     job_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1)
-    run_id: str = Field(min_length=1)
+    run_id: str = Field(
+        pattern=RUN_ID_PATTERN, description="The run: its Redis names are under stargym:<run_id>:."
+    )
     env: str = Field(description="An env id such as 'game/frozenlake'.", min_length=1)
     seed: Seed = Field(description="Env seed: same seed, same initial state.")
     group_id: str = Field(min_length=1, description="Jobs of one group share the initial state (GRPO).")
@@ -83,7 +135,7 @@ class JobFields(RolloutWireModel):
 
 
 class RolloutJob(JobFields):
-    """One episode to play: what the controller puts on :data:`JOBS_STREAM`.
+    """One episode to play: what the controller puts on :attr:`RunKeys.jobs`.
 
     ``policy_version`` is the version the controller expected to be served when it issued the
     job; the trajectory reports the one actually used.
@@ -111,7 +163,7 @@ class Turn(RolloutWireModel):
 
 
 class Trajectory(JobFields):
-    """A played episode: what a rollout worker puts on :data:`TRAJECTORIES_STREAM`.
+    """A played episode: what a rollout worker puts on :attr:`RunKeys.trajectories`.
 
     Token-level fields are aligned, one entry per token of the whole episode context:
     ``token_ids`` are the exact ids in the context (never re-tokenised text), ``loss_mask`` is 1
@@ -205,7 +257,7 @@ class Trajectory(JobFields):
 
 
 class PolicyPointer(RolloutWireModel):
-    """The newest published policy: hash :data:`POLICY_KEY` holds its fields as strings."""
+    """The newest published policy: hash :attr:`RunKeys.policy` holds its fields as strings."""
 
     version: int = Field(ge=0)
     path: str = Field(min_length=1, description="A 'policy-v<N>/' directory in Hugging Face layout.")
@@ -265,7 +317,7 @@ class WorkerStatus(BaseModel):
     episodes_per_s: float = Field(description="Jobs completed per second over the rate window.")
     tokens_per_s: float = Field(description="Sampled tokens per second over the rate window.")
     policy_version: int | None = Field(description="Oldest version any engine serves; None until known.")
-    target_policy_version: int | None = Field(description="The version stargym:policy names.")
+    target_policy_version: int | None = Field(description="The version stargym:<run>:policy names.")
     jobs_done: int = Field(description="Trajectories published without an error.")
     jobs_failed: int = Field(description="Trajectories published with 'error' set.")
     duplicates: int = Field(description="Jobs whose trajectory another run had already published.")
@@ -283,7 +335,7 @@ class WorkerStatus(BaseModel):
 
 
 class WorkerHeartbeat(RolloutWireModel):
-    """One field of :data:`WORKERS_KEY`: who a worker is, where it and its services are, how it is.
+    """One field of :attr:`RunKeys.workers`: who a worker is, where it and its services are, how it is.
 
     ``envs`` and ``engines`` are the servers the worker plays against now (a configured name
     that resolves to several replicas is listed as one URL per address), which is how the

@@ -7,6 +7,7 @@ Command-line flags override the environment by passing keyword arguments.
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,3 +56,13 @@ class EnvServerSettings(ServiceSettings):
         "slow JVM steps stall every other thread-run env).",
     )
     reaper_interval_s: float = Field(default=30.0, gt=0, description="How often the reaper looks.")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: where a service is may be shown or logged,
+    its secret not (``REDIS_URL=redis://:secret@host:6379/0``)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))

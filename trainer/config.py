@@ -37,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.contracts import FAMILY_PORTS
-from services.rollout_protocol import ActionFormat, SamplingParams
+from services.rollout_protocol import RUN_ID_PATTERN, ActionFormat, SamplingParams
 from trainer.algorithms.curriculum import HorizonSchedule
 from trainer.algorithms.filtering import num_groups_to_keep
 from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
@@ -94,8 +94,9 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = Field(
         default="run",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="Run id (jobs carry it as run_id); names the run directory.",
+        pattern=RUN_ID_PATTERN,
+        description="Run id: jobs carry it as run_id, the run's Redis names are under stargym:<name>: "
+        "(its workers need the same, `stargym rollout --run`), and it names the run directory.",
     )
     output_dir: str | None = Field(
         default=None, description="Run directory; None: checkpoints/<name>/ relative to the working dir."

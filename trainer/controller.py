@@ -64,7 +64,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.queue import Delivery, StreamQueue, job_queue, trajectory_queue
-from services.rollout_protocol import JobFields, RolloutJob, Trajectory
+from services.rollout_protocol import JobFields, RolloutJob, RunKeys, Trajectory
 from trainer.algorithms.filtering import select_groups
 from trainer.audit_log import DEFAULT_KEEP, DEFAULT_MAX_BYTES, RotatingJsonl, read_jsonl
 from trainer.config import TrainConfig
@@ -148,6 +148,10 @@ def job_of(trajectory: Trajectory) -> RolloutJob:
     return RolloutJob.model_validate(trajectory.model_dump(include=set(JobFields.model_fields)))
 
 
+STALL_CHECK_S = 30.0
+"""How long without a trajectory, jobs waiting, before the controller looks for the run's workers."""
+
+
 class Controller:
     """Issues jobs and assembles update batches; see the module docstring.
 
@@ -178,8 +182,9 @@ class Controller:
         self.consumer = consumer
         self.poll_ms = poll_ms
         self.max_inflight: int = config.rollout.max_inflight
-        self.jobs: StreamQueue[RolloutJob] = job_queue(redis)
-        self.trajectories: StreamQueue[Trajectory] = trajectory_queue(redis)
+        self.keys = RunKeys(config.run.name)
+        self.jobs: StreamQueue[RolloutJob] = job_queue(redis, self.keys)
+        self.trajectories: StreamQueue[Trajectory] = trajectory_queue(redis, self.keys)
         self.run_id = config.run.name
         self.lifetime = uuid.uuid4().hex[:8]
         self.schedule = config.curriculum.schedule
@@ -218,6 +223,8 @@ class Controller:
         self._pump_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._reason_logs = 0
+        self._last_delivery = time.monotonic()
+        self._last_stall_check = 0.0
         self._closed = False
         self._log: RotatingJsonl | None = None
         self.recorder = recorder
@@ -318,7 +325,7 @@ class Controller:
         seeds = self.config.envs.train_seeds
         seed = seeds.start + index % len(seeds)
         # Ids are unique per trainer lifetime: a restarted trainer reissues group indices, and a
-        # reused job id would be deduplicated away by the workers (stargym:done:<job_id>).
+        # reused job id would be deduplicated away by the workers (stargym:<run>:done:<job_id>).
         group_id = f"{self.run_id}-g{index}-{self.lifetime}"
         base = (self.config.run.seed * 7_919 + index * rollout.group_size) % (2**31 - 1)
         return [
@@ -464,7 +471,10 @@ class Controller:
                 deliveries = await self.trajectories.consume(self.consumer, count=512, block_ms=self.poll_ms)
                 for delivery in deliveries:
                     self._accept(delivery)
+                if deliveries:
+                    self._last_delivery = time.monotonic()
                 await self._expire()
+                await self._say_why_nothing_arrives()
                 delay = 0.2
             except asyncio.CancelledError:
                 raise
@@ -651,6 +661,40 @@ class Controller:
             raise
         self._write({"event": "commit", "step": step, "job_ids": [d.model.job_id for d in deliveries]})
         return len(deliveries)
+
+    async def _say_why_nothing_arrives(self) -> None:
+        """Warn, every :data:`STALL_CHECK_S` while jobs wait and no trajectory has come for as
+        long, when no rollout worker serves this run, naming the runs whose workers there are: a
+        worker started without ``--run`` (or with another) serves another run's queue, and the
+        trainer would otherwise wait for ever without a word."""
+        now = time.monotonic()
+        if (
+            self._outstanding_jobs == 0
+            or now - self._last_delivery < STALL_CHECK_S
+            or now - self._last_stall_check < STALL_CHECK_S
+        ):
+            return
+        self._last_stall_check = now
+        if await self.redis.exists(self.keys.workers):
+            return
+        others = sorted(
+            {
+                RunKeys.run_of_workers_key(key.decode(errors="replace"))
+                async for key in self.redis.scan_iter(match=RunKeys.workers_pattern(), count=1000)
+            }
+        )
+        found = (
+            f"workers serve other runs: {', '.join(others)}" if others else "no worker serves any run here"
+        )
+        logger.warning(
+            "no trajectory for %.0f s and no rollout worker serves run %r (%s): start one with "
+            "`stargym rollout --run %s` (STARGYM_ROLLOUT_RUN=%s)",
+            now - self._last_delivery,
+            self.run_id,
+            found,
+            self.run_id,
+            self.run_id,
+        )
 
     # -- metrics --------------------------------------------------------------------------------
 

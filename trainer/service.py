@@ -5,7 +5,7 @@ One asyncio loop runs everything (issue 4, items 4, 6 and 7):
 * the :class:`~trainer.controller.Controller` issues jobs and assembles batches in the background;
 * each update runs :class:`trainer.update.PolicyUpdater` in a worker thread (the loop keeps issuing
   jobs, reading trajectories and answering HTTP meanwhile);
-* after each update the new policy is published as ``policy-v<step>`` and ``stargym:policy`` is
+* after each update the new policy is published as ``policy-v<step>`` and ``stargym:<run>:policy`` is
   pointed at it, so rollout workers reload it between episodes;
 * every ``save_every`` updates (and at the end) a checkpoint is saved (policy, optimiser/scheduler/
   critic via the updater's state, RNG, curriculum, controller and echo-trap state), and only then
@@ -53,7 +53,7 @@ from redis.asyncio import Redis
 
 from services.http_app import create_app
 from services.queue import connect, set_policy
-from services.rollout_protocol import Trajectory
+from services.rollout_protocol import RunKeys, Trajectory
 from services.settings import ServiceSettings
 from trainer.algorithms.echo_trap import EchoTrapDetector
 from trainer.checkpoint import CheckpointStore, LoadedCheckpoint
@@ -551,7 +551,7 @@ class Trainer:
         joins the network (seen here: the trainer died on its first publish after a start).
         """
         path = await asyncio.to_thread(self._save_policy, version)
-        await set_policy(redis, version, str(path))
+        await set_policy(redis, RunKeys(self.config.run.name), version, str(path))
         self.policy_version = version
 
     async def _checkpoint(self) -> None:
@@ -643,7 +643,9 @@ def install_trainer_dashboard(app: FastAPI, trainer: Trainer, settings: TrainerS
     token = settings.api_token.get_secret_value() if settings.api_token is not None else None
     envs = trainer.config.envs
     servers = {env.family: envs.url_for(env.id) for env in envs.mix}
-    probe = SystemProbe(redis_url=trainer.redis_url, env_servers=servers, api_token=token)
+    probe = SystemProbe(
+        redis_url=trainer.redis_url, env_servers=servers, api_token=token, run_id=trainer.config.run.name
+    )
 
     async def system() -> dict[str, Any]:
         snapshot = (await probe.snapshot()).model_dump(mode="json")

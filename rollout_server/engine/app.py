@@ -41,7 +41,7 @@ from services.engine_protocol import (
     WeightVersionUpdate,
     WeightVersionUpdated,
 )
-from services.errors import bad_request, not_found, too_many
+from services.errors import ApiError, bad_request, not_found, too_many
 from services.http_app import create_app
 from services.policy import PolicyLoadError
 
@@ -274,7 +274,9 @@ async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> Collec
     It runs on the engine thread between two forward passes, so no request is dropped; requests
     in flight continue on the new weights (pause first, as vLLM's clients do, for a clean cut).
     Cached prompt prefixes are dropped with the old weights.
-    Without ``weights_path`` the model directory the server started with is read again.
+    Without ``weights_path`` the model directory the server started with is read again. A path
+    outside :meth:`EngineSettings.allowed_weights_roots` is refused (403): whoever can reach the
+    admin routes must not make the engine read any file its user can.
     """
     state = _state(request)
     if body.method != "reload_weights":
@@ -282,7 +284,16 @@ async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> Collec
             "unknown_method", f"unknown collective_rpc method {body.method!r}; known: reload_weights"
         )
     path = body.kwargs.get("weights_path") or state.model_path
-    if not Path(path).is_dir():
+    resolved = Path(path).resolve()
+    roots = state.settings.allowed_weights_roots()
+    if not any(resolved.is_relative_to(root) for root in roots):
+        raise ApiError(
+            403,
+            "weights_path_not_allowed",
+            f"weights_path {path!r} is outside the directories this engine loads from "
+            f"({', '.join(map(str, roots))}; STARGYM_WEIGHTS_ROOTS sets them)",
+        )
+    if not resolved.is_dir():
         raise bad_request("bad_weights_path", f"weights_path {path!r} is not a directory")
     try:
         await asyncio.wrap_future(state.engine.load_weights(path))

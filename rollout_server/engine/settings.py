@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from services.settings import ServiceSettings
 
@@ -30,3 +33,19 @@ class EngineSettings(ServiceSettings):
     prefix_cache_mb: float = Field(
         default=256.0, ge=0, description="KV of finished sequences kept for prompts that extend them; 0: off."
     )
+    weights_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Directories (os.pathsep-separated) whose subdirectories reload_weights may load; "
+        "empty: the model directory's parent and the working directory, where trainers publish "
+        "policy-v<N>/ (checkpoints/<run>/ under the working directory, or a run dir beside the model).",
+    )
+
+    @field_validator("weights_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        return [part for part in value.split(os.pathsep) if part] if isinstance(value, str) else value
+
+    def allowed_weights_roots(self) -> list[Path]:
+        """The resolved roots a reload may read below (symlinks resolved, so none leads out)."""
+        roots = self.weights_roots or [str(Path(self.model).resolve().parent), os.getcwd()]
+        return [Path(root).resolve() for root in roots]

@@ -23,7 +23,7 @@ from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, wa
 from deploy.train import parse_overrides
 from deploy.up import bring_up
 from services.policy import load_state_dict
-from services.rollout_protocol import DATA_FIELD, TRAJECTORIES_STREAM, Trajectory
+from services.rollout_protocol import DATA_FIELD, RunKeys, Trajectory
 from trainer.batch import collate
 from trainer.checkpoint import CheckpointStore
 from trainer.config import load_config
@@ -34,13 +34,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(20 * 60)]
 
 CONFIG = REPO_ROOT / "configs/frozenlake-tiny.yaml"
 FIRST, SECOND = 4, 6
+RUN = "e2e-ranks"
 
 
 class StreamTap:
-    """Copies every entry of the trajectories stream, by job id, until stopped."""
+    """Copies every entry of the run's trajectories stream, by job id, until stopped."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, run: RunKeys) -> None:
         self.client = redis.Redis.from_url(url)
+        self.stream = run.trajectories
         self.seen: dict[str, Trajectory] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -49,7 +51,7 @@ class StreamTap:
     def _run(self) -> None:
         last = "0-0"
         while not self._stop.is_set():
-            reply = self.client.xread({TRAJECTORIES_STREAM: last}, count=1000, block=100)
+            reply = self.client.xread({self.stream: last}, count=1000, block=100)
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -66,7 +68,7 @@ def test_two_processes_train_resume_and_match_one(tmp_path: Path, empty_redis_ur
     redis_url = empty_redis_url
     run_dir = tmp_path / "run"
     overrides = [
-        *short_run_overrides(tmp_path, "e2e-ranks"),
+        *short_run_overrides(tmp_path, RUN),
         "checkpoint.save_every=2",
         "checkpoint.keep_last=5",
         "eval.episodes=8",
@@ -75,7 +77,7 @@ def test_two_processes_train_resume_and_match_one(tmp_path: Path, empty_redis_ur
         # a smaller lr keeps that below the tolerance without changing what is compared.
         "optim.lr=1e-4",
     ]
-    tap = StreamTap(redis_url)
+    tap = StreamTap(redis_url, RunKeys(RUN))
     try:
         with bring_up(
             CONFIG,

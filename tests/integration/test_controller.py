@@ -16,10 +16,13 @@ import redis
 from conftest import eventually
 
 from services.queue import connect, job_queue, trajectory_queue
-from services.rollout_protocol import RolloutJob, Trajectory, Turn
+from services.rollout_protocol import RolloutJob, RunKeys, Trajectory, Turn
 from trainer.audit_log import RotatingJsonl
 from trainer.config import TrainConfig
 from trainer.controller import Controller, read_controller_log, shape_reward
+
+KEYS = RunKeys("ctl")
+"""The Redis names of :func:`make_config`'s run."""
 
 
 def make_config(**rollout: object) -> TrainConfig:
@@ -68,7 +71,7 @@ async def client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
 
 
 async def issued_jobs(conn: redis.asyncio.Redis, count: int) -> list[RolloutJob]:
-    jobs = job_queue(conn)
+    jobs = job_queue(conn, KEYS)
     deliveries = await jobs.consume("test-worker", count=count, block_ms=2000)
     await jobs.ack([d.entry_id for d in deliveries])
     return [d.model for d in deliveries]
@@ -100,7 +103,7 @@ async def test_batches_complete_groups_drops_stale_and_untrainable_acks_on_commi
 ) -> None:
     controller = Controller(make_config(max_inflight=10), client, run_dir=tmp_path)
     await controller.start()
-    trajectories = trajectory_queue(client)
+    trajectories = trajectory_queue(client, KEYS)
     try:
         jobs = await issued_jobs(client, 100)
         groups = [jobs[i : i + 2] for i in range(0, 10, 2)]
@@ -146,7 +149,7 @@ async def test_starpo_s_keeps_the_highest_std_groups(client: redis.asyncio.Redis
     config.starpo_s.filter.ratio = 0.5
     controller = Controller(config, client, run_dir=tmp_path)
     await controller.start()
-    trajectories = trajectory_queue(client)
+    trajectories = trajectory_queue(client, KEYS)
     try:
         jobs = await issued_jobs(client, 100)
         rewards = [(0.0, 0.0), (0.0, 1.0), (0.5, 0.5), (0.0, 0.5)]
@@ -167,7 +170,7 @@ async def test_a_restarted_controller_rereads_what_was_not_committed(
 ) -> None:
     first = Controller(make_config(max_inflight=4), client, run_dir=tmp_path)
     await first.start()
-    trajectories = trajectory_queue(client)
+    trajectories = trajectory_queue(client, KEYS)
     jobs = await issued_jobs(client, 100)
     for job in jobs:
         await trajectories.publish(trajectory(job, float(job.job_id.endswith("0"))))
@@ -191,6 +194,41 @@ async def test_a_restarted_controller_rereads_what_was_not_committed(
         await second.close()
 
 
+async def test_a_run_without_workers_says_which_runs_have_them(
+    client: redis.asyncio.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The trainer of run ``ctl`` and a worker started for another run: nothing would ever come."""
+    monkeypatch.setattr("trainer.controller.STALL_CHECK_S", 0.5)
+    await client.hset(RunKeys("other-run").workers, "w1", "{}")
+    controller = Controller(make_config(), client, run_dir=tmp_path)
+    with caplog.at_level("WARNING", logger="trainer.controller"):
+        await controller.start()
+        try:
+
+            async def warned() -> bool:
+                return any("no rollout worker serves run 'ctl'" in r.message for r in caplog.records)
+
+            await eventually(warned, "the stall warning", deadline_s=10)
+        finally:
+            await controller.close()
+    (message,) = {r.message for r in caplog.records if "no rollout worker" in r.message}
+    assert "workers serve other runs: other-run" in message and "--run ctl" in message
+    # A worker of this run registered: the warning stops.
+    caplog.clear()
+    await client.hset(KEYS.workers, "w2", "{}")
+    controller = Controller(make_config(), client, run_dir=tmp_path)
+    with caplog.at_level("WARNING", logger="trainer.controller"):
+        await controller.start()
+        try:
+            await asyncio.sleep(1.5)
+        finally:
+            await controller.close()
+    assert not [r for r in caplog.records if "no rollout worker" in r.message]
+
+
 def test_invalid_turns_are_penalised() -> None:
     job = RolloutJob(run_id="r", env="game/frozenlake", seed=1, group_id="g", max_turns=4, policy_version=0)
     base = trajectory(job, 1.0)
@@ -208,8 +246,8 @@ async def worker_answering(conn: redis.asyncio.Redis) -> AsyncIterator[None]:
     It is stopped by a flag, not by cancelling: a task cancelled inside a blocking Redis read can
     hang in redis-py's cleanup.
     """
-    jobs = job_queue(conn)
-    trajectories = trajectory_queue(conn)
+    jobs = job_queue(conn, KEYS)
+    trajectories = trajectory_queue(conn, KEYS)
     stop = asyncio.Event()
 
     async def play() -> None:
@@ -236,7 +274,9 @@ async def test_starpo_s_with_default_sizes_gets_its_batch(
 ) -> None:
     # The regression: 16 kept groups at ratio 0.25 need 64 complete groups of 8 (512 jobs) at once,
     # and the in-flight limit used to stop at 256, so next_batch waited forever.
-    config = TrainConfig.from_dict({"preset": "starpo_s", "envs": {"mix": [{"id": "game/bandit"}]}})
+    config = TrainConfig.from_dict(
+        {"preset": "starpo_s", "run": {"name": KEYS.run_id}, "envs": {"mix": [{"id": "game/bandit"}]}}
+    )
     controller = Controller(config, client, run_dir=tmp_path)
     await controller.start()
     try:
@@ -271,9 +311,9 @@ async def test_a_group_never_answered_is_reissued_once_then_dropped(
         assert {job.seed for job in fresh} == {101} and fresh[0].group_id != first[0].group_id
         assert controller.outstanding == 2
         # A member of the dropped group that turns up late is counted and never trained on.
-        await trajectory_queue(client).publish(trajectory(first[0], 1.0))
+        await trajectory_queue(client, KEYS).publish(trajectory(first[0], 1.0))
         for job in fresh:
-            await trajectory_queue(client).publish(trajectory(job, float(job.job_id.endswith("0"))))
+            await trajectory_queue(client, KEYS).publish(trajectory(job, float(job.job_id.endswith("0"))))
         batch = await controller.next_batch(timeout_s=10)
         assert {t.job_id for t in batch.trajectories} == {job.job_id for job in fresh}
         assert controller.counters["late"] == 1
@@ -289,7 +329,7 @@ async def test_a_lost_member_is_reissued_and_completes_its_group(
 ) -> None:
     controller = Controller(timeout_config(0.5), client, run_dir=tmp_path)
     await controller.start()
-    trajectories = trajectory_queue(client)
+    trajectories = trajectory_queue(client, KEYS)
     try:
         kept, lost = await issued_jobs(client, 10)
         await trajectories.publish(trajectory(kept, 1.0))

@@ -186,10 +186,23 @@ def test_reload_weights_changes_samples_and_version(
     assert complete(url, prompt, seed=21, ignore_eos=True)["choices"][0]["token_ids"] == before["token_ids"]
 
 
-def test_reload_from_a_bad_path_is_refused(engine: RunningServer, tmp_path: Path) -> None:
-    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
-    response = httpx.post(f"{engine.url}/collective_rpc", json=rpc, timeout=TIMEOUT)
+def test_reload_from_a_bad_path_is_refused(
+    engine: RunningServer, checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    def reload(path: Path | str) -> httpx.Response:
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        return httpx.post(f"{engine.url}/collective_rpc", json=rpc, timeout=TIMEOUT)
+
+    not_a_checkpoint = checkpoints[0].parent / "empty"  # beside the model: an allowed root
+    not_a_checkpoint.mkdir(exist_ok=True)
+    response = reload(not_a_checkpoint)
     assert response.status_code == 400 and response.json()["error"]["code"] == "bad_checkpoint"
+    # Outside the model's parent and the working directory: refused before anything is read,
+    # also when spelled as a path that climbs out of an allowed root.
+    for outside in (tmp_path, "/etc", checkpoints[0] / ".." / ".." / ".."):
+        refused = reload(outside)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "weights_path_not_allowed"
     unknown = httpx.post(f"{engine.url}/collective_rpc", json={"method": "sleep"})
     assert unknown.status_code == 400
 

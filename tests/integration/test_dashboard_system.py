@@ -19,11 +19,9 @@ from deploy.model_init import init_tiny_model
 from deploy.redis_local import start_redis_server
 from services.rollout_protocol import (
     DATA_FIELD,
-    JOBS_STREAM,
-    TRAJECTORIES_STREAM,
-    WORKERS_KEY,
     EngineStatus,
     RolloutJob,
+    RunKeys,
     SamplingParams,
     WorkerHeartbeat,
     WorkerStatus,
@@ -31,6 +29,8 @@ from services.rollout_protocol import (
 from trainer.dashboard.system import PROBE_DEADLINE_S, SystemProbe, SystemSnapshot
 
 DEADLINE_S = 120.0
+KEYS = RunKeys("system")
+"""The run of the worker here and of its jobs; the probes read its registry and streams."""
 SLACK_S = 1.0
 """What a snapshot may take beyond the probe deadline on a loaded machine (event loop, Redis)."""
 
@@ -67,7 +67,7 @@ async def timed_snapshot(probe: SystemProbe) -> SystemSnapshot:
 
 
 def registry(db: redis.Redis) -> dict[str, WorkerHeartbeat]:
-    return {k.decode(): WorkerHeartbeat.model_validate_json(v) for k, v in db.hgetall(WORKERS_KEY).items()}
+    return {k.decode(): WorkerHeartbeat.model_validate_json(v) for k, v in db.hgetall(KEYS.workers).items()}
 
 
 async def test_a_worker_registers_is_found_with_its_services_and_unregisters_on_a_clean_stop(
@@ -75,7 +75,7 @@ async def test_a_worker_registers_is_found_with_its_services_and_unregisters_on_
 ) -> None:
     db = redis.Redis.from_url(empty_redis_url)
     port = free_port()
-    args = ["rollout", "--engine-url", engine.url, "--env", f"game={game_server.url}"]
+    args = ["rollout", "--engine-url", engine.url, "--env", f"game={game_server.url}", "--run", KEYS.run_id]
     args += ["--tokenizer", str(tiny_policy), "--port", str(port), "--consumer", "w1"]
     variables = {"REDIS_URL": empty_redis_url, "STARGYM_ROLLOUT_HEARTBEAT_S": "0.5"}
     worker = start_server(args, port, tmp_path, env=variables, name="worker")
@@ -90,7 +90,7 @@ async def test_a_worker_registers_is_found_with_its_services_and_unregisters_on_
         httpx.post(
             f"{engine.url}/update_weight_version", json={"new_version": "3"}, timeout=10
         ).raise_for_status()
-        async with SystemProbe(empty_redis_url, {}, None, cache_s=0.0) as probe:
+        async with SystemProbe(empty_redis_url, {}, None, run_id=KEYS.run_id, cache_s=0.0) as probe:
             before = await timed_snapshot(probe)
             (found,) = before.workers
             assert (found.worker_id, found.url, found.ok, found.error) == ("w1", worker.url, True, None)
@@ -108,7 +108,7 @@ async def test_a_worker_registers_is_found_with_its_services_and_unregisters_on_
 
             jobs = [
                 RolloutJob(
-                    run_id="system",
+                    run_id=KEYS.run_id,
                     env="game/frozenlake",
                     seed=seed,
                     group_id="g",
@@ -119,20 +119,20 @@ async def test_a_worker_registers_is_found_with_its_services_and_unregisters_on_
                 for seed in range(4)
             ]
             for job in jobs:
-                db.xadd(JOBS_STREAM, {DATA_FIELD: job.model_dump_json()})
-            wait_until(lambda: db.xlen(TRAJECTORIES_STREAM) == 4, "4 trajectories", DEADLINE_S, logs=[worker])
+                db.xadd(KEYS.jobs, {DATA_FIELD: job.model_dump_json()})
+            wait_until(lambda: db.xlen(KEYS.trajectories) == 4, "4 trajectories", DEADLINE_S, logs=[worker])
             after = await eventually(
                 lambda: _done(probe, 4), "the worker's /status to count 4 jobs", deadline_s=DEADLINE_S
             )
             assert after.engines[0].tokens_per_s is not None and after.engines[0].tokens_per_s > 0
             assert after.engines[0].in_flight == 0
             streams = {stream.name: stream for stream in after.redis.streams}
-            assert after.redis.ok and streams[TRAJECTORIES_STREAM].length == 4
-            assert streams[JOBS_STREAM].pending == 0 and streams[JOBS_STREAM].dead == 0
+            assert after.redis.ok and streams[KEYS.trajectories].length == 4
+            assert streams[KEYS.jobs].pending == 0 and streams[KEYS.jobs].dead == 0
 
         worker.process.send_signal(signal.SIGTERM)
         assert worker.process.wait(timeout=30) in (0, -signal.SIGTERM), worker.log()
-        assert db.hlen(WORKERS_KEY) == 0
+        assert db.hlen(KEYS.workers) == 0
     finally:
         stop_server(worker.process)
         db.close()
@@ -152,7 +152,9 @@ async def test_instance_count_is_the_env_servers_own(
             for seed in (1, 2)
         ]
         try:
-            async with SystemProbe(empty_redis_url, {"game": game_server.url + "/"}, None) as probe:
+            async with SystemProbe(
+                empty_redis_url, {"game": game_server.url + "/"}, None, run_id=KEYS.run_id
+            ) as probe:
                 snapshot = await timed_snapshot(probe)
             listed = client.get("/instances").json()["count"]
             (server,) = snapshot.env_servers
@@ -178,8 +180,8 @@ async def test_a_dead_or_hanging_server_is_reported_with_its_error_in_time(
         updated_at=time.time(),
     )
     with redis.Redis.from_url(empty_redis_url) as db:
-        db.hset(WORKERS_KEY, "hanging", hanging_worker.model_dump_json())
-    async with SystemProbe(empty_redis_url, servers, None) as probe:
+        db.hset(KEYS.workers, "hanging", hanging_worker.model_dump_json())
+    async with SystemProbe(empty_redis_url, servers, None, run_id=KEYS.run_id) as probe:
         snapshot = await timed_snapshot(probe)
     found = {server.family: server for server in snapshot.env_servers}
     # Probed at the same time as the hanging ones, the live server is not starved of time.
@@ -204,10 +206,10 @@ async def test_redis_going_down_is_reported_and_the_rest_still_answers(game_serv
             updated_at=time.time(),
         )
         with redis.Redis.from_url(server.url) as db:
-            db.hset(WORKERS_KEY, "w-redis", heartbeat.model_dump_json())
-        async with SystemProbe(server.url, {}, None, cache_s=0.0) as probe:
+            db.hset(KEYS.workers, "w-redis", heartbeat.model_dump_json())
+        async with SystemProbe(server.url, {}, None, run_id=KEYS.run_id, cache_s=0.0) as probe:
             up = await timed_snapshot(probe)
-            assert up.redis.ok and [s.name for s in up.redis.streams] == [JOBS_STREAM, TRAJECTORIES_STREAM]
+            assert up.redis.ok and [s.name for s in up.redis.streams] == [KEYS.jobs, KEYS.trajectories]
             assert [w.worker_id for w in up.workers] == ["w-redis"] and up.env_servers[0].ok
             server.stop()
             down = await timed_snapshot(probe)
@@ -245,8 +247,8 @@ async def test_a_silent_worker_is_dead_and_its_services_are_not_probed(
     )
     entries = {"crashed": silent.model_dump_json(), "unreachable": unreachable.model_dump_json()}
     with redis.Redis.from_url(empty_redis_url) as db:
-        db.hset(WORKERS_KEY, mapping={**entries, "garbage": b"{not json"})
-    async with SystemProbe(empty_redis_url, {"game": game_server.url}, None) as probe:
+        db.hset(KEYS.workers, mapping={**entries, "garbage": b"{not json"})
+    async with SystemProbe(empty_redis_url, {"game": game_server.url}, None, run_id=KEYS.run_id) as probe:
         snapshot = await timed_snapshot(probe)
     found = {worker.worker_id: worker for worker in snapshot.workers}
     crashed = found["crashed"]

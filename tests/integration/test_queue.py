@@ -26,15 +26,15 @@ from services.queue import (
     watch_policy,
 )
 from services.rollout_protocol import (
-    DONE_KEY_PREFIX,
-    JOBS_STREAM,
     PolicyPointer,
     RolloutJob,
+    RunKeys,
     Trajectory,
     Turn,
 )
 
 T = TypeVar("T")
+KEYS = RunKeys("run")
 
 
 @pytest.fixture
@@ -47,14 +47,14 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 
 @pytest.fixture
 async def jobs(redis: Redis) -> StreamQueue[RolloutJob]:
-    queue = job_queue(redis)
+    queue = job_queue(redis, KEYS)
     await queue.ensure_group()
     return queue
 
 
 @pytest.fixture
 async def trajectories(redis: Redis) -> StreamQueue[Trajectory]:
-    queue = trajectory_queue(redis)
+    queue = trajectory_queue(redis, KEYS)
     await queue.ensure_group()
     return queue
 
@@ -109,7 +109,7 @@ async def test_jobs_and_trajectories_round_trip(
 
 
 async def test_entries_published_before_the_group_exist_are_delivered(redis: Redis) -> None:
-    queue = job_queue(redis)
+    queue = job_queue(redis, KEYS)
     job = make_job()
     await queue.publish(job)
     await queue.ensure_group()
@@ -157,13 +157,13 @@ async def test_job_of_a_dead_worker_is_reclaimed_and_yields_one_trajectory(
     assert again == lost
     assert await jobs.reclaim("worker-c", min_idle_ms=200) == []  # claiming reset the idle time
 
-    done = await complete_job(jobs, again, trajectories, make_trajectory(job, "worker-b"))
+    done = await complete_job(KEYS, jobs, again, trajectories, make_trajectory(job, "worker-b"))
     assert done.published and done.acked
     assert await jobs.pending_count() == 0
     assert await jobs.reclaim("worker-c", min_idle_ms=0) == []
 
     # The worker was only slow, not dead: its late completion publishes nothing.
-    late = await complete_job(jobs, lost, trajectories, make_trajectory(job, "worker-dead"))
+    late = await complete_job(KEYS, jobs, lost, trajectories, make_trajectory(job, "worker-dead"))
     assert not late.published and not late.acked
     delivered = await trajectories.consume("trainer", count=10, block_ms=100)
     assert [d.model.worker_id for d in delivered] == ["worker-b"]
@@ -178,17 +178,17 @@ async def test_complete_job_publishes_the_trajectory_and_acks_the_job_together(
     trajectory = make_trajectory(job)
 
     with pytest.raises(ValueError, match="cannot complete"):
-        await complete_job(jobs, delivery, trajectories, make_trajectory(make_job(seed=1)))
+        await complete_job(KEYS, jobs, delivery, trajectories, make_trajectory(make_job(seed=1)))
     assert await jobs.pending_count() == 1 and await trajectories.depth() == QueueDepth(0, 0, 0, 0)
 
-    done = await complete_job(jobs, delivery, trajectories, trajectory)
+    done = await complete_job(KEYS, jobs, delivery, trajectories, trajectory)
     assert done.published and done.acked
     assert await jobs.depth() == QueueDepth(length=0, pending=0, lag=0, dead=0)
     assert await trajectories.depth() == QueueDepth(length=1, pending=0, lag=1, dead=0)
     (got,) = await trajectories.consume("trainer", block_ms=100)
     assert got.model == trajectory
-    assert await redis.get(DONE_KEY_PREFIX + job.job_id) == got.entry_id.encode()
-    assert 0 < await redis.ttl(DONE_KEY_PREFIX + job.job_id) <= 24 * 3600
+    assert await redis.get(KEYS.done(job.job_id)) == got.entry_id.encode()
+    assert 0 < await redis.ttl(KEYS.done(job.job_id)) <= 24 * 3600
 
 
 async def test_a_job_run_twice_reaches_the_trainer_once(
@@ -197,8 +197,8 @@ async def test_a_job_run_twice_reaches_the_trainer_once(
     job = make_job()
     await jobs.publish_many([job, job])  # e.g. a publish retried after a timeout
     first, second = await jobs.consume("worker-a", count=2, block_ms=100)
-    assert (await complete_job(jobs, first, trajectories, make_trajectory(job))).published
-    assert not (await complete_job(jobs, second, trajectories, make_trajectory(job))).published
+    assert (await complete_job(KEYS, jobs, first, trajectories, make_trajectory(job))).published
+    assert not (await complete_job(KEYS, jobs, second, trajectories, make_trajectory(job))).published
     assert await jobs.pending_count() == 0
     delivered = await trajectories.consume("trainer", count=10, block_ms=100)
     assert [d.model.job_id for d in delivered] == [job.job_id]
@@ -228,10 +228,10 @@ async def test_malformed_entries_go_to_the_dead_letter_stream(
         ({"data": good.model_dump_json(), "more": "1"}, "exactly one field"),
         ({"data": b"\xff\xfe"}, "json_invalid"),  # not even UTF-8
     ]
-    bad_ids = [(await redis.xadd(JOBS_STREAM, bad_entries[0][0])).decode()]
+    bad_ids = [(await redis.xadd(KEYS.jobs, bad_entries[0][0])).decode()]
     await jobs.publish(good)
     for fields, _ in bad_entries[1:]:
-        bad_ids.append((await redis.xadd(JOBS_STREAM, fields)).decode())
+        bad_ids.append((await redis.xadd(KEYS.jobs, fields)).decode())
 
     delivered = await jobs.consume("worker-a", count=100, block_ms=100)
     assert [d.model for d in delivered] == [good]
@@ -256,10 +256,68 @@ async def test_reclaim_skips_a_pending_entry_whose_data_was_deleted(
 ) -> None:
     await jobs.publish_many([make_job(0), make_job(1)])
     gone, kept = await jobs.consume("worker-dead", count=2, block_ms=100)
-    await redis.xdel(JOBS_STREAM, gone.entry_id)
+    await redis.xdel(KEYS.jobs, gone.entry_id)
     assert await jobs.reclaim("worker-b", min_idle_ms=0) == [kept]
     if int((await redis.info("server"))["redis_version"].split(".")[0]) >= 7:
         assert await jobs.pending_count() == 1  # Redis 7 dropped it; 6.2 keeps it pending
+
+
+async def test_a_poison_job_is_delivered_max_deliveries_times_then_dead_lettered(redis: Redis) -> None:
+    """Each consumer that takes the poison job "dies" (never acks); the healthy job goes through."""
+    jobs = job_queue(redis, KEYS, max_deliveries=3)
+    await jobs.ensure_group()
+    poison, healthy = make_job(0), make_job(1)
+    (poison_id,) = [await jobs.publish(poison)]
+    (first,) = await jobs.consume("victim-0", block_ms=100)
+    assert first.entry_id == poison_id
+    for victim in range(1, 3):  # deliveries 2 and 3
+        (taken,) = await jobs.reclaim(f"victim-{victim}", min_idle_ms=0)
+        assert taken.entry_id == poison_id
+    await jobs.publish(healthy)
+    assert await jobs.reclaim("victim-3", min_idle_ms=0) == []  # the 4th delivery is refused
+    assert [d.model for d in await jobs.consume("victim-3", block_ms=100)] == [healthy]
+    assert await jobs.depth() == QueueDepth(length=1, pending=1, lag=0, dead=1)
+    (dead,) = await jobs.dead_letters()
+    assert dead["dead:source_id"] == poison_id and dead["dead:consumer"] == "victim-3"
+    assert dead["dead:error"].startswith("delivered 3 times (max_deliveries 3) and never acked")
+    assert RolloutJob.model_validate_json(dead["data"]) == poison  # kept as written, to replay
+
+
+async def test_without_max_deliveries_an_entry_is_reclaimed_as_often_as_it_takes(
+    jobs: StreamQueue[RolloutJob],
+) -> None:
+    job_id = await jobs.publish(make_job(0))
+    await jobs.consume("victim-0", block_ms=100)
+    for victim in range(1, 6):
+        assert [d.entry_id for d in await jobs.reclaim(f"victim-{victim}", min_idle_ms=0)] == [job_id]
+    assert (await jobs.depth()).dead == 0
+
+
+async def test_prune_consumers_removes_idle_empty_names_only(
+    redis: Redis, jobs: StreamQueue[RolloutJob]
+) -> None:
+    await jobs.publish_many([make_job(0), make_job(1), make_job(2)])
+    (holding,) = await jobs.consume("dead-holding", block_ms=100)
+    for name in ("dead-empty", "me"):  # Redis 7.0 creates a consumer only when it gets an entry
+        (finished,) = await jobs.consume(name, block_ms=100)
+        await jobs.ack([finished.entry_id])
+
+    async def consumers() -> dict[str, int]:
+        return {_name(c["name"]): c["pending"] for c in await redis.xinfo_consumers(KEYS.jobs, "rollout")}
+
+    assert await jobs.prune_consumers(min_idle_ms=60_000, keep="me") == []  # none idle that long
+    await asyncio.sleep(0.3)
+    assert await jobs.prune_consumers(min_idle_ms=200, keep="me") == ["dead-empty"]
+    assert await consumers() == {"dead-holding": 1, "me": 0}
+    (taken,) = await jobs.reclaim("me", min_idle_ms=0)  # what it held is still there to take
+    assert taken.entry_id == holding.entry_id
+    await asyncio.sleep(0.3)
+    assert await jobs.prune_consumers(min_idle_ms=200, keep="me") == ["dead-holding"]
+    assert await consumers() == {"me": 1}
+
+
+def _name(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 async def test_touch_keeps_a_long_episode_from_being_reclaimed(
@@ -269,7 +327,7 @@ async def test_touch_keeps_a_long_episode_from_being_reclaimed(
     working, finished = await jobs.consume("worker-a", count=2, block_ms=100)
 
     async def idle_ms() -> int:
-        (entry,) = await redis.xpending_range(JOBS_STREAM, "rollout", working.entry_id, working.entry_id, 1)
+        (entry,) = await redis.xpending_range(KEYS.jobs, "rollout", working.entry_id, working.entry_id, 1)
         return entry["time_since_delivered"] if entry["time_since_delivered"] >= 300 else 0
 
     await eventually(idle_ms, "the entry to be idle")
@@ -278,16 +336,35 @@ async def test_touch_keeps_a_long_episode_from_being_reclaimed(
     assert await jobs.reclaim("worker-b", min_idle_ms=300) == []
 
 
-async def test_policy_pointer_is_set_read_and_watched(redis: Redis) -> None:
-    assert await get_policy(redis) is None
-    first = await set_policy(redis, 1, "/ckpt/run/policy-v1")
-    assert await get_policy(redis) == first == PolicyPointer(version=1, path="/ckpt/run/policy-v1")
+async def test_runs_sharing_a_redis_see_nothing_of_each_other(redis: Redis) -> None:
+    other = RunKeys("other-run")
+    assert {other.jobs, other.trajectories, other.policy, other.workers, other.done("j")}.isdisjoint(
+        {KEYS.jobs, KEYS.trajectories, KEYS.policy, KEYS.workers, KEYS.done("j")}
+    )
+    mine, theirs = job_queue(redis, KEYS), job_queue(redis, other)
+    for queue in (mine, theirs):
+        await queue.ensure_group()
+    await mine.publish(make_job(0))
+    await theirs.publish(make_job(1))
+    assert [d.model.seed for d in await mine.consume("w", count=10, block_ms=100)] == [0]
+    assert [d.model.seed for d in await theirs.consume("w", count=10, block_ms=100)] == [1]
+    await set_policy(redis, other, 7, "/ckpt/other/policy-v7")
+    assert await get_policy(redis, KEYS) is None
+    assert (await get_policy(redis, other)).version == 7
+    with pytest.raises(ValueError, match="does not match"):
+        RunKeys("a:b")  # a colon would let one run's names reach into another's
 
-    watcher = watch_policy(redis, poll_s=30.0)  # long poll: the update message must wake it
+
+async def test_policy_pointer_is_set_read_and_watched(redis: Redis) -> None:
+    assert await get_policy(redis, KEYS) is None
+    first = await set_policy(redis, KEYS, 1, "/ckpt/run/policy-v1")
+    assert await get_policy(redis, KEYS) == first == PolicyPointer(version=1, path="/ckpt/run/policy-v1")
+
+    watcher = watch_policy(redis, KEYS, poll_s=30.0)  # long poll: the update message must wake it
     async with asyncio.timeout(5):
         assert await anext(watcher) == first
         pending = asyncio.ensure_future(anext(watcher))
-        second = await set_policy(redis, 2, "/ckpt/run/policy-v2")
+        second = await set_policy(redis, KEYS, 2, "/ckpt/run/policy-v2")
         assert await pending == second
     await watcher.aclose()
 
@@ -295,7 +372,7 @@ async def test_policy_pointer_is_set_read_and_watched(redis: Redis) -> None:
 async def test_a_redis_restart_raises_promptly_then_recovers() -> None:
     server = start_redis_server()
     client = connect(server.url, socket_timeout_s=2.0, connect_timeout_s=1.0, retries=2, max_backoff_s=0.1)
-    jobs, trajectories = job_queue(client), trajectory_queue(client)
+    jobs, trajectories = job_queue(client, KEYS), trajectory_queue(client, KEYS)
     replacement = None
     try:
         await jobs.ensure_group()
@@ -321,7 +398,7 @@ async def test_a_redis_restart_raises_promptly_then_recovers() -> None:
         replacement = start_redis_server(port=server.port)  # same address, empty data
         async with asyncio.timeout(10):
             assert await jobs.consume("worker-a", block_ms=100) == []  # group recreated
-            done = await complete_job(jobs, delivery, trajectories, make_trajectory(job))
+            done = await complete_job(KEYS, jobs, delivery, trajectories, make_trajectory(job))
             assert done.published and not done.acked  # the job died with the old server
             await jobs.publish(job)
             assert [d.model for d in await jobs.consume("worker-a", block_ms=100)] == [job]

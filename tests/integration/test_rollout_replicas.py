@@ -31,14 +31,14 @@ from conftest import (
     wait_until,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from test_worker import make_jobs, publish, trajectories
+from test_worker import KEYS, make_jobs, publish, trajectories
 from transformers import AutoTokenizer
 
 from deploy.model_init import init_tiny_model
 from rollout_server.settings import WorkerSettings
 from rollout_server.worker import RolloutWorker
 from services.queue import connect, set_policy
-from services.rollout_protocol import TRAJECTORIES_STREAM, WORKERS_KEY, WorkerHeartbeat
+from services.rollout_protocol import WorkerHeartbeat
 
 DEADLINE_S = 60.0
 
@@ -162,7 +162,7 @@ def episodes_served(env_server: RunningServer) -> int:
 
 
 async def trajectory_count(db: redis.Redis, count: int) -> bool:
-    return db.xlen(TRAJECTORIES_STREAM) >= count
+    return db.xlen(KEYS.trajectories) >= count
 
 
 def in_process_worker(settings: WorkerSettings, model: Path, resolver: TableResolver) -> RolloutWorker:
@@ -186,13 +186,13 @@ def test_a_family_with_two_env_servers_spreads_its_episodes_over_both(
         str(models[0]),
         "--concurrency",
         "8",
+        "--run",
+        KEYS.run_id,
         env={"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_HEARTBEAT_S": "0.5"},
     )
     jobs = make_jobs(16, max_turns=4)
     publish(db, jobs)
-    wait_until(
-        lambda: db.xlen(TRAJECTORIES_STREAM) >= len(jobs), "16 trajectories", DEADLINE_S, logs=[worker]
-    )
+    wait_until(lambda: db.xlen(KEYS.trajectories) >= len(jobs), "16 trajectories", DEADLINE_S, logs=[worker])
     found = trajectories(db)
     assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)
     assert all(t.error is None for t in found), [t.error for t in found]
@@ -204,7 +204,7 @@ def test_a_family_with_two_env_servers_spreads_its_episodes_over_both(
         ("game", first.url, 0),
         ("game", second.url, 0),
     ]
-    heartbeat = WorkerHeartbeat.model_validate_json(db.hget(WORKERS_KEY, status["worker_id"]))
+    heartbeat = WorkerHeartbeat.model_validate_json(db.hget(KEYS.workers, status["worker_id"]))
     assert heartbeat.envs == {"game": [first.url, second.url]}
     metrics = httpx.get(f"{worker.url}/metrics", timeout=10).text
     for server in (first, second):
@@ -219,6 +219,7 @@ async def test_a_name_with_two_addresses_is_two_env_servers_until_dns_drops_one(
     resolver = TableResolver({"env-game.test": ["127.0.0.1", "127.0.0.2"]})
     settings = WorkerSettings(
         redis_url=redis_url,
+        run=KEYS.run_id,
         engine_urls=[engine.url],
         env_urls={"game": [f"http://env-game.test:{port}"]},
         concurrency=4,
@@ -263,6 +264,7 @@ async def test_an_engine_replica_that_joins_loads_the_policy_before_it_takes_epi
     resolver = TableResolver({"engine.test": ["127.0.0.1"]})
     settings = WorkerSettings(
         redis_url=redis_url,
+        run=KEYS.run_id,
         engine_urls=[f"http://engine.test:{port}"],
         env_urls={"game": [game_server.url]},
         concurrency=4,
@@ -274,7 +276,7 @@ async def test_an_engine_replica_that_joins_loads_the_policy_before_it_takes_epi
     try:
         client = connect(redis_url)
         try:
-            await set_policy(client, 1, str(models[1]))
+            await set_policy(client, KEYS, 1, str(models[1]))
         finally:
             await client.aclose()
 

@@ -29,15 +29,16 @@ from services.contracts import parse_family_urls
 from services.queue import connect, set_policy
 from services.rollout_protocol import (
     DATA_FIELD,
-    JOBS_STREAM,
     ROLLOUT_GROUP,
-    TRAJECTORIES_STREAM,
     RolloutJob,
+    RunKeys,
     SamplingParams,
     Trajectory,
 )
 
 VISIBILITY_TIMEOUT_S = 3.0
+KEYS = RunKeys("test-worker")
+"""The run every worker here serves (``--run``) and every job belongs to."""
 DEADLINE_S = 120.0
 
 
@@ -72,11 +73,16 @@ def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunningSer
     started: list[RunningServer] = []
 
     def start(
-        engine_url: str, envs: dict[str, str], tokenizer: Path | None, *extra: str, **env: str
+        engine_url: str,
+        envs: dict[str, str],
+        tokenizer: Path | None,
+        *extra: str,
+        run: RunKeys = KEYS,
+        **env: str,
     ) -> RunningServer:
         """``tokenizer`` None: the worker takes it from the engine's /v1/models."""
         port = free_port()
-        args = ["rollout", "--engine-url", engine_url, "--port", str(port)]
+        args = ["rollout", "--engine-url", engine_url, "--port", str(port), "--run", run.run_id]
         if tokenizer is not None:
             args += ["--tokenizer", str(tokenizer)]
         for family, url in envs.items():
@@ -99,11 +105,11 @@ def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunningSer
 
 
 def make_jobs(
-    count: int, env: str = "game/frozenlake", max_turns: int = 6, start: int = 0
+    count: int, env: str = "game/frozenlake", max_turns: int = 6, start: int = 0, run: RunKeys = KEYS
 ) -> list[RolloutJob]:
     return [
         RolloutJob(
-            run_id="test-worker",
+            run_id=run.run_id,
             env=env,
             seed=index,
             group_id=f"g{index // 2}",
@@ -115,13 +121,13 @@ def make_jobs(
     ]
 
 
-def publish(db: redis.Redis, jobs: list[RolloutJob]) -> None:
+def publish(db: redis.Redis, jobs: list[RolloutJob], run: RunKeys = KEYS) -> None:
     for job in jobs:
-        db.xadd(JOBS_STREAM, {DATA_FIELD: job.model_dump_json()})
+        db.xadd(run.jobs, {DATA_FIELD: job.model_dump_json()})
 
 
-def trajectories(db: redis.Redis) -> list[Trajectory]:
-    return [Trajectory.model_validate_json(fields[b"data"]) for _, fields in db.xrange(TRAJECTORIES_STREAM)]
+def trajectories(db: redis.Redis, run: RunKeys = KEYS) -> list[Trajectory]:
+    return [Trajectory.model_validate_json(fields[b"data"]) for _, fields in db.xrange(run.trajectories)]
 
 
 wait_for = functools.partial(wait_until, deadline_s=DEADLINE_S)
@@ -129,7 +135,7 @@ wait_for = functools.partial(wait_until, deadline_s=DEADLINE_S)
 
 
 def wait_trajectories(db: redis.Redis, count: int, logs=()) -> list[Trajectory]:
-    wait_for(lambda: db.xlen(TRAJECTORIES_STREAM) >= count, f"{count} trajectories", logs=logs)
+    wait_for(lambda: db.xlen(KEYS.trajectories) >= count, f"{count} trajectories", logs=logs)
     return trajectories(db)
 
 
@@ -140,7 +146,7 @@ def status(worker: RunningServer) -> dict:
 
 
 def pending_jobs(db: redis.Redis) -> int:
-    return int(db.xpending(JOBS_STREAM, ROLLOUT_GROUP)["pending"])
+    return int(db.xpending(KEYS.jobs, ROLLOUT_GROUP)["pending"])
 
 
 def test_every_job_yields_one_trajectory_and_is_acked(
@@ -163,7 +169,7 @@ def test_every_job_yields_one_trajectory_and_is_acked(
         assert sum(trajectory.loss_mask) == sum(turn.response_tokens for turn in trajectory.turns) > 0
         assert trajectory.worker_id and trajectory.timings["queue_wait_s"] >= 0
     wait_for(lambda: pending_jobs(db) == 0, "the jobs to be acked")
-    assert db.xlen(JOBS_STREAM) == 0  # acked jobs are deleted
+    assert db.xlen(KEYS.jobs) == 0  # acked jobs are deleted
 
     report = wait_for(lambda: (s := status(worker))["jobs_done"] == len(jobs) and s, "/status counts")
     assert report["jobs_failed"] == 0 and report["in_flight"] == 0
@@ -214,7 +220,7 @@ def test_a_killed_worker_loses_no_job_and_duplicates_none(
     wait_for(lambda: status(doomed)["in_flight"] > 0, "the first worker to be mid-episode")
     doomed.process.send_signal(signal.SIGKILL)
     doomed.process.wait(timeout=10)
-    orphans = db.xpending_range(JOBS_STREAM, ROLLOUT_GROUP, "-", "+", 100, consumername="doomed")
+    orphans = db.xpending_range(KEYS.jobs, ROLLOUT_GROUP, "-", "+", 100, consumername="doomed")
 
     found = wait_trajectories(db, len(jobs), logs=[survivor])
     wait_for(lambda: pending_jobs(db) == 0, "every job to be acked", logs=[survivor])
@@ -224,6 +230,102 @@ def test_a_killed_worker_loses_no_job_and_duplicates_none(
     assert len(found) == len(jobs)
     if orphans:  # the killed worker held jobs: the survivor took them over
         assert status(survivor)["reclaimed"] >= len(orphans)
+    # The dead name holds nothing now: the survivor removes it from the group.
+    wait_for(lambda: consumers(db) == {"survivor"}, "the dead consumer to be removed", logs=[survivor])
+
+
+def test_a_poison_job_is_dead_lettered_after_max_deliveries_and_the_run_goes_on(
+    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+) -> None:
+    """The poison job kills every worker that takes it (SIGKILL from here, as the OOM killer
+    would): three deliveries, three dead workers; the fourth worker parks it and plays the rest."""
+    envs = {"game": game_server.url}
+    poison, *healthy = make_jobs(5, max_turns=4)
+    publish(db, [poison])
+    for victim in range(3):
+        worker = workers(engine.url, envs, checkpoints[0], "--consumer", f"victim-{victim}")
+        wait_for(
+            lambda name=f"victim-{victim}": db.xpending_range(
+                KEYS.jobs, ROLLOUT_GROUP, "-", "+", 10, consumername=name
+            ),
+            f"victim-{victim} to take the poison job",
+            logs=[worker],
+        )
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait(timeout=10)
+    survivor = workers(engine.url, envs, checkpoints[0], "--consumer", "survivor")
+    dead_letters = f"{KEYS.jobs}:dead"
+    wait_for(lambda: db.xlen(dead_letters) == 1, "the poison job to be dead-lettered", logs=[survivor])
+    ((_, parked),) = db.xrange(dead_letters)
+    assert RolloutJob.model_validate_json(parked[b"data"]) == poison
+    assert parked[b"dead:consumer"] == b"survivor"
+    assert parked[b"dead:error"].startswith(b"delivered 3 times (max_deliveries 3)")
+    publish(db, healthy)
+    found = wait_trajectories(db, len(healthy), logs=[survivor])
+    assert sorted(t.job_id for t in found) == sorted(job.job_id for job in healthy)
+    wait_for(lambda: pending_jobs(db) == 0, "every job to be acked", logs=[survivor])
+    wait_for(lambda: consumers(db) == {"survivor"}, "the victims to be removed", logs=[survivor])
+
+
+def test_two_runs_sharing_a_redis_keep_their_jobs_and_trajectories_apart(
+    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+) -> None:
+    other = RunKeys("other-run")
+    envs = {"game": game_server.url}
+    mine = workers(engine.url, envs, checkpoints[0], "--consumer", "mine")
+    theirs = workers(engine.url, envs, checkpoints[0], "--consumer", "theirs", run=other)
+    publish(db, make_jobs(4))
+    publish(db, make_jobs(4, start=4, run=other), run=other)
+    for run, worker in ((KEYS, mine), (other, theirs)):
+        wait_for(
+            lambda run=run: db.xlen(run.trajectories) >= 4, f"run {run.run_id}'s trajectories", logs=[worker]
+        )
+    wait_for(lambda: status(mine)["jobs_done"] == status(theirs)["jobs_done"] == 4, "both workers' counts")
+    for run, consumer in ((KEYS, "mine"), (other, "theirs")):
+        played = trajectories(db, run)
+        assert {(t.run_id, t.worker_id) for t in played} == {(run.run_id, consumer)}
+        assert len(played) == 4
+    assert set(db.hkeys(KEYS.workers)) == {b"mine"} and set(db.hkeys(other.workers)) == {b"theirs"}
+
+
+def consumers(db: redis.Redis) -> set[str]:
+    return {c["name"].decode() for c in db.xinfo_consumers(KEYS.jobs, ROLLOUT_GROUP)}
+
+
+def test_a_killed_engine_makes_the_worker_unhealthy_until_one_answers_again(
+    db: redis.Redis, workers, game_server: RunningServer, checkpoints, tmp_path: Path
+) -> None:
+    """The worker's only engine is SIGKILLed mid-run and restarted on its port: /health says so
+    meanwhile, the episodes wait for it, and every job ends with one trajectory and no error."""
+    port = free_port()
+    args = ["engine", "serve", "--model", str(checkpoints[0]), "--port", str(port), "--threads", "1"]
+    engine = start_server(args, port, tmp_path, name="engine-first")
+    worker = workers(engine.url, {"game": game_server.url}, checkpoints[0], "--concurrency", "4")
+    jobs = make_jobs(12, max_turns=6)
+    publish(db, jobs)
+    wait_for(lambda: db.xlen(KEYS.trajectories) >= 2, "the first trajectories", logs=[worker])
+    engine.process.send_signal(signal.SIGKILL)
+    engine.process.wait(timeout=10)
+
+    def health() -> httpx.Response:
+        return httpx.get(f"{worker.url}/health", timeout=10)
+
+    lost = wait_for(
+        lambda: (answer := health()).status_code == 503 and answer, "/health to be 503", logs=[worker]
+    )
+    error = lost.json()["error"]
+    assert error["code"] == "unhealthy" and error["message"].startswith("no engine answers")
+    assert f"127.0.0.1:{port}" in error["message"]
+    restarted = start_server(args, port, tmp_path, name="engine-second")
+    try:
+        wait_for(lambda: health().status_code == 200, "/health to recover", logs=[worker])
+        found = wait_trajectories(db, len(jobs), logs=[worker])
+        wait_for(lambda: pending_jobs(db) == 0, "every job to be acked", logs=[worker])
+    finally:
+        stop_server(restarted.process)
+    assert Counter(t.job_id for t in found) == Counter(job.job_id for job in jobs)
+    assert [t.error for t in found if t.error] == []
+    assert f"engine http://127.0.0.1:{port}: back after" in worker.log()
 
 
 def test_sigterm_stops_taking_jobs_and_loses_none(
@@ -238,7 +340,7 @@ def test_sigterm_stops_taking_jobs_and_loses_none(
     # A clean exit: uvicorn re-raises the signal once the lifespan shutdown has completed.
     assert first.process.wait(timeout=30) in (0, -signal.SIGTERM), first.log()
     assert "Application shutdown complete" in first.log()
-    done_before = db.xlen(TRAJECTORIES_STREAM)
+    done_before = db.xlen(KEYS.trajectories)
     assert done_before < len(jobs)
     # What it did not finish is still pending (or undelivered): a second worker completes it.
     second = workers(engine.url, envs, checkpoints[0], "--concurrency", "4")
@@ -273,7 +375,7 @@ def test_policy_update_reloads_the_engines_and_tags_later_trajectories(
         async def publish_policy() -> None:
             client = connect(redis_url)
             try:
-                await set_policy(client, 1, str(checkpoints[1]))
+                await set_policy(client, KEYS, 1, str(checkpoints[1]))
             finally:
                 await client.aclose()
 

@@ -103,6 +103,7 @@ STARGYM_TRAINER_NPROC=2
 STARGYM_CPU_CONFIG=configs/bandit-tiny.yaml
 STARGYM_CPU_MODEL=models/tiny-bandit
 STARGYM_ROLLOUT_CONCURRENCY=16
+STARGYM_RUN=textcraft-7b
 STARGYM_API_TOKEN=s3cret-token
 """
 
@@ -569,6 +570,19 @@ def test_the_trainers_and_engines_fit_together(
     with monkeypatch.context() as patch:
         worker = load_settings(WorkerSettings, container_environment(services["rollout-cpu"]), patch)
     assert engine["max_num_seqs"] >= worker.concurrency, "the engine refuses part of the worker's episodes"
+
+
+def test_each_stacks_workers_serve_its_trainers_run(
+    variables: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs, trajectories and the policy are under stargym:<run>:, so a worker of another run
+    would leave the trainer waiting: both take STARGYM_RUN."""
+    services = load_compose(variables)["services"]
+    for trainer, worker in (("trainer", "rollout"), ("trainer-cpu", "rollout-cpu")):
+        _, params = role(services[trainer])
+        with monkeypatch.context() as patch:
+            settings = load_settings(WorkerSettings, container_environment(services[worker]), patch)
+        assert settings.run == train_config(params).run.name == variables.get("STARGYM_RUN", "stargym")
 
 
 def test_every_url_names_a_service_of_the_stack_listening_there(

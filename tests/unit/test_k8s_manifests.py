@@ -34,6 +34,7 @@ from cli_checks import (
     env_names,
     is_setting,
     load_service_settings,
+    load_settings,
     parse_stargym,
     served_port,
     train_config,
@@ -300,6 +301,9 @@ def test_every_container_has_probes_resources_and_no_privileges(build: str) -> N
                 check = container[probe]
                 if image_name(container) == "redis":
                     assert "redis-cli ping" in " ".join(check["exec"]["command"]), f"{where}: {probe}"
+                elif name == "rollout" and probe == "livenessProbe":
+                    # Its /health fails while its engines are lost: a restart would not help.
+                    container_port(container, check["tcpSocket"]["port"])
                 else:
                     assert check["httpGet"]["path"] == "/health", f"{where}: {probe}"
                     container_port(container, check["httpGet"]["port"])
@@ -450,6 +454,19 @@ def check_train_config(build: str, objects: list[dict[str, Any]], params: dict[s
         assert parse_stargym(rollout["args"])[1]["tokenizer"] == model_dir
     else:
         assert config.model.path == "/model"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_workers_serve_the_trainers_run(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs, trajectories and the policy are under stargym:<run>:: a worker of another run would
+    leave the trainer waiting."""
+    objects = rendered(build)
+    trainer = pod_template(find(objects, "StatefulSet", "trainer"))["spec"]["containers"][0]
+    rollout = pod_template(find(objects, "Deployment", "rollout"))["spec"]["containers"][0]
+    values = env_values(rollout, secret_data(objects))
+    with monkeypatch.context() as patch:
+        worker = load_settings(WorkerSettings, {k: v for k, v in values.items() if is_setting(k)}, patch)
+    assert worker.run == train_config(parse_stargym(argv(trainer, objects))[1]).run.name == "stargym"
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -9,7 +9,8 @@ import pytest
 
 from rollout_server.settings import WorkerSettings
 from services.rollout_protocol import WorkerHeartbeat
-from trainer.dashboard.system import CounterRates, SystemProbe, generated_tokens, redact_url
+from services.settings import redact_url
+from trainer.dashboard.system import CounterRates, SystemProbe, generated_tokens
 
 CPU_ENGINE_METRICS = """\
 # HELP engine_sequences_in_flight Admitted sequences
@@ -55,7 +56,7 @@ def test_redact_url_hides_the_password_only() -> None:
 
 
 async def test_a_snapshot_is_cached_and_without_redis_says_so() -> None:
-    async with SystemProbe(None, {}, None, cache_s=60.0) as probe:
+    async with SystemProbe(None, {}, None, run_id="run", cache_s=60.0) as probe:
         first = await probe.snapshot()
         assert await probe.snapshot() is first
     assert not first.redis.ok and "no Redis URL" in first.redis.error

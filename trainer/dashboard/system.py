@@ -1,10 +1,11 @@
 """The dashboard's system view: every service's health, found without being told each URL.
 
-Discovery goes through Redis: each rollout worker keeps its entry in the ``stargym:workers`` hash
-(:class:`~services.rollout_protocol.WorkerHeartbeat`: its URL, its env servers and its engines), so
-the registry plus the run's configured env servers name everything there is to probe. A snapshot
-then asks each of them at once, with one deadline for all, so a dead or hanging service costs the
-page a red row with its error, never a late or blank one:
+Discovery goes through Redis: each rollout worker keeps its entry in its run's
+``stargym:<run>:workers`` hash (:class:`~services.rollout_protocol.WorkerHeartbeat`: its URL, its
+env servers and its engines), so the registry plus the run's configured env servers name
+everything there is to probe. A snapshot then asks each of them at once, with one deadline for
+all, so a dead or hanging service costs the page a red row with its error, never a late or
+blank one:
 
 * workers: ``GET /status`` (in-flight episodes, policy version, counters); a worker whose entry
   is older than a few heartbeats is reported dead ("no heartbeat for N s") and not probed;
@@ -25,7 +26,6 @@ import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,7 +35,8 @@ from redis.exceptions import RedisError
 
 from services.http_client import ClientErrors, HttpClient, parse_error_body
 from services.queue import connect, job_queue, trajectory_queue
-from services.rollout_protocol import WORKERS_KEY, WorkerHeartbeat, WorkerStatus
+from services.rollout_protocol import RunKeys, WorkerHeartbeat, WorkerStatus
+from services.settings import redact_url
 
 PROBE_DEADLINE_S = 1.5
 """Longest a snapshot takes, however many services are dead or hanging."""
@@ -160,15 +161,6 @@ class CounterRates:
         return (value - previous[1]) / (now - previous[0])
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: the page shows where Redis is, not its secret."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
 @dataclass
 class _Registry:
     """The worker registry as last read: parsed entries, and the unreadable ones with why."""
@@ -184,6 +176,7 @@ class SystemProbe:
 
     Args:
         redis_url: the run's Redis; None: no registry, so only ``env_servers`` are probed.
+        run_id: the run whose worker registry and streams are read (:class:`RunKeys`).
         env_servers: env server URL of each family, as configured for the run; the workers'
             own are added to them.
         api_token: sent as ``Authorization: Bearer`` to every service probed.
@@ -195,10 +188,12 @@ class SystemProbe:
         env_servers: dict[str, str],
         api_token: str | None,
         *,
+        run_id: str,
         deadline_s: float = PROBE_DEADLINE_S,
         cache_s: float = CACHE_S,
     ) -> None:
         self.redis_url = redis_url
+        self.keys = RunKeys(run_id)
         self.env_servers = {family: url.rstrip("/") for family, url in env_servers.items()}
         self.deadline_s = deadline_s
         self.cache_s = cache_s
@@ -292,11 +287,11 @@ class SystemProbe:
                 self.redis_url, socket_timeout_s=budget, connect_timeout_s=budget, retries=0
             )
         redis = self._redis
-        queues = (job_queue(redis), trajectory_queue(redis))
+        queues = (job_queue(redis, self.keys), trajectory_queue(redis, self.keys))
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 entries, *depths = await asyncio.gather(
-                    redis.hgetall(WORKERS_KEY), *(queue.depth() for queue in queues)
+                    redis.hgetall(self.keys.workers), *(queue.depth() for queue in queues)
                 )
         except TimeoutError:
             self._registry.read_now = False
