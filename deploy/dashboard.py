@@ -6,7 +6,7 @@
 Serves the same pages as the trainer's own dashboard, read-only, over every run directory under
 ``RUNS_DIR``. With ``--redis-url`` (or ``REDIS_URL``) the system view shows the services of one
 run against that Redis (its rollout workers announce themselves there, with their env servers and
-engines): ``--run``, by default the run whose directory under ``RUNS_DIR`` changed last, the live
+engines): ``--run``, by default the run under ``RUNS_DIR`` written last (by its ``run.name``), the live
 one while a run trains; without a Redis URL it says it has nothing to show. ``STARGYM_API_TOKEN`` protects it as it
 protects every service.
 """
@@ -93,7 +93,21 @@ def dashboard_command(
 
 
 def newest_run(runs_dir: Path) -> str:
-    """The run directory under ``runs_dir`` modified last (a training run writes its metrics
-    there every step), or the trainer's default run name when there is none."""
-    runs = [path for path in runs_dir.iterdir() if path.is_dir() and re.fullmatch(RUN_ID_PATTERN, path.name)]
-    return max(runs, key=lambda path: path.stat().st_mtime).name if runs else RunConfig().name
+    """The run id of the run under ``runs_dir`` written last (a training run appends to its
+    metrics every step), or the trainer's default run name when there is none.
+
+    The id is the ``run.name`` of that run's saved config, not its directory's name: a run's
+    ``run.output_dir`` may be any directory, and Redis knows the run by its name only."""
+    from trainer.dashboard.runs import CONFIG_FILE, RunReader, RunsDirectory
+    from trainer.metrics import METRICS_FILE
+
+    def written(path: Path) -> float:
+        files = [path / CONFIG_FILE, path / METRICS_FILE]
+        return max(file.stat().st_mtime for file in files if file.is_file())
+
+    runs = [runs_dir / name for name in RunsDirectory(runs_dir).names()]
+    if not runs:
+        return RunConfig().name
+    newest = max(runs, key=written)
+    name = RunReader(newest).config().get("run", {}).get("name")
+    return name if isinstance(name, str) and re.fullmatch(RUN_ID_PATTERN, name) else newest.name

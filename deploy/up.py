@@ -89,8 +89,15 @@ def bring_up(
     trainer_threads: int = 1,
     console: Console | None = None,
     redis_url: str | None = None,
+    private: bool = False,
 ) -> Iterator[Stack]:
-    """Start everything the run needs; stop what was started on exit."""
+    """Start everything the run needs; stop what was started on exit.
+
+    Services take their usual ports when those are free, and a healthy env server already at the
+    config's ``envs.servers`` URL is used rather than started. ``private``: neither; every service
+    is started on a free port, so several stacks can run on one machine at once (the test suite
+    runs two) without one using, and losing, another's env server.
+    """
     console = console or Console(stderr=True)
     config = load_train_config(config_path, overrides)
     log_dir = config.run_dir / "logs"
@@ -104,17 +111,17 @@ def bring_up(
         env_urls: dict[str, str] = {}
         for family in sorted({spec.family for spec in config.envs.mix}):
             configured = config.envs.servers.get(family)
-            if configured and _healthy(configured):
+            if configured and not private and _healthy(configured):
                 env_urls[family] = configured
                 continue
-            port = _port(FAMILY_PORTS.get(family, 0) or free_port())
+            port = free_port() if private else _port(FAMILY_PORTS.get(family, 0) or free_port())
             server = start_service(
                 f"env-{family}", ["env", "serve", family, "--port", str(port)], port, log_dir
             )
             started.append(server)
             env_urls[family] = server.url
         console.print(f"env servers: {', '.join(f'{k}={v}' for k, v in env_urls.items())}", highlight=False)
-        port = _port(8210)
+        port = free_port() if private else _port(8210)
         engine = start_service(
             "engine",
             ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
@@ -124,7 +131,7 @@ def bring_up(
         )  # fmt: skip
         started.append(engine)
         console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
-        port = _port(8200)
+        port = free_port() if private else _port(8200)
         args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
                 "--run", config.run.name, "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
         for family, url in env_urls.items():
@@ -134,8 +141,10 @@ def bring_up(
         )
         started.append(worker)
         console.print(f"rollout worker: {worker.url}", highlight=False)
-        port = _port(config.dashboard.port)
+        port = free_port() if private else _port(config.dashboard.port)
         args = ["train", str(config_path), "--port", str(port), "--threads", str(trainer_threads)]
+        for family, url in env_urls.items():  # what the dashboard probes: the servers in use
+            args += ["--set", f"envs.servers.{family}={url}"]
         for item in overrides or []:
             args += ["--set", item]
         trainer = start_service("trainer", [*args, *(trainer_args or [])], port, log_dir, env=env)

@@ -86,7 +86,9 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
         "eval.every=0",
         "eval.episodes=16",
     ]
-    with bring_up(REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=empty_redis_url) as stack:
+    with bring_up(
+        REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=empty_redis_url, private=True
+    ) as stack:
         live = Page(browser, stack.trainer.url)
         live.open("#/charts")
         live.page.wait_for_selector('[data-chart="success"][data-points]')
@@ -122,7 +124,16 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
         make_run(tmp_path, "xss", steps=5)
         port = free_port()
         server = start_server(
-            ["dashboard", str(tmp_path), "--port", str(port), "--redis-url", empty_redis_url],
+            [
+                "dashboard",
+                str(tmp_path),
+                "--port",
+                str(port),
+                "--redis-url",
+                empty_redis_url,
+                "--run",
+                "dash",
+            ],
             port,
             tmp_path / "logs",
             env={"STARGYM_API_TOKEN": TOKEN},

@@ -44,6 +44,7 @@ def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, empty_re
         REPO_ROOT / "configs/bandit-tiny.yaml",
         overrides,
         redis_url=redis_url,
+        private=True,
         trainer_args=["--keep-serving"],
     ) as stack:
         status = wait_until(

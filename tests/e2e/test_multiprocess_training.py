@@ -85,6 +85,7 @@ def test_two_processes_train_resume_and_match_one(tmp_path: Path, empty_redis_ur
             concurrency=32,
             trainer_args=["--nproc-per-node", "2"],
             redis_url=redis_url,
+            private=True,
         ) as stack:
             wait_exit(stack.trainer, f"{FIRST} updates by 2 processes")
             assert "rank 1 of 2" in stack.trainer.log()

@@ -47,7 +47,7 @@ def test_starpo_s_with_defaults_trains(tmp_path: Path, empty_redis_url: str) -> 
             }
         )
     )
-    with bring_up(config, redis_url=redis_url) as stack:
+    with bring_up(config, redis_url=redis_url, private=True) as stack:
         wait_exit(stack.trainer, f"the trainer to finish {UPDATES} updates", deadline_s=20 * 60)
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "train/pg_loss" in r] == list(range(1, UPDATES + 1))

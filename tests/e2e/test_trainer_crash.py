@@ -61,7 +61,7 @@ def test_sigkilled_trainer_resumes_without_losing_trajectories(tmp_path: Path, e
         f"checkpoint.save_every={SAVE_EVERY}",
         "optim.total_steps=1000",
     ]
-    with bring_up(CONFIG, overrides, concurrency=16, redis_url=redis_url) as stack:
+    with bring_up(CONFIG, overrides, concurrency=16, redis_url=redis_url, private=True) as stack:
         first = stack.trainer
         # Past a checkpoint, with trajectories consumed after it (pending, not yet acked).
         before = wait_for(

@@ -19,7 +19,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from conftest import REPO_ROOT, STARGYM, RunningServer, free_port, start_server, stop_server, wait_until
+from conftest import (
+    REPO_ROOT,
+    STARGYM,
+    RunningServer,
+    free_port,
+    start_family_server,
+    start_server,
+    stop_server,
+    wait_until,
+)
 
 from deploy.model_init import init_tiny_model
 from deploy.redis_local import start_redis_server
@@ -235,24 +244,41 @@ def test_a_killed_worker_loses_no_job_and_duplicates_none(
 
 
 def test_a_poison_job_is_dead_lettered_after_max_deliveries_and_the_run_goes_on(
-    db: redis.Redis, workers, engine: RunningServer, game_server: RunningServer, checkpoints
+    db: redis.Redis,
+    workers,
+    engine: RunningServer,
+    game_server: RunningServer,
+    checkpoints,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """The poison job kills every worker that takes it (SIGKILL from here, as the OOM killer
-    would): three deliveries, three dead workers; the fourth worker parks it and plays the rest."""
+    would): three deliveries, three dead workers; the fourth worker parks it and plays the rest.
+
+    The victims play it against a SIGSTOPped env server, so each holds it (pending) until it is
+    killed: against a live one a fast machine plays the 4 turns between two polls of this test,
+    acks it, and no worker is ever seen holding it (CI saw that)."""
     envs = {"game": game_server.url}
     poison, *healthy = make_jobs(5, max_turns=4)
-    publish(db, [poison])
-    for victim in range(3):
-        worker = workers(engine.url, envs, checkpoints[0], "--consumer", f"victim-{victim}")
-        wait_for(
-            lambda name=f"victim-{victim}": db.xpending_range(
-                KEYS.jobs, ROLLOUT_GROUP, "-", "+", 10, consumername=name
-            ),
-            f"victim-{victim} to take the poison job",
-            logs=[worker],
-        )
-        worker.process.send_signal(signal.SIGKILL)
-        worker.process.wait(timeout=10)
+    stalled = start_family_server("game", tmp_path_factory)
+    stalled.process.send_signal(signal.SIGSTOP)
+    try:
+        publish(db, [poison])
+        for victim in range(3):
+            worker = workers(
+                engine.url, {"game": stalled.url}, checkpoints[0], "--consumer", f"victim-{victim}"
+            )
+            wait_for(
+                lambda name=f"victim-{victim}": db.xpending_range(
+                    KEYS.jobs, ROLLOUT_GROUP, "-", "+", 10, consumername=name
+                ),
+                f"victim-{victim} to take the poison job",
+                logs=[worker],
+            )
+            worker.process.send_signal(signal.SIGKILL)
+            worker.process.wait(timeout=10)
+    finally:
+        stalled.process.send_signal(signal.SIGCONT)
+        stop_server(stalled.process)
     survivor = workers(engine.url, envs, checkpoints[0], "--consumer", "survivor")
     dead_letters = f"{KEYS.jobs}:dead"
     wait_for(lambda: db.xlen(dead_letters) == 1, "the poison job to be dead-lettered", logs=[survivor])

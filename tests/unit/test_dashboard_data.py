@@ -143,3 +143,21 @@ def test_trajectory_reader_follows_rotation_and_keeps_a_bounded_ring(tmp_path: P
     total, found = samples.query(SampleFilter(), 100)
     assert total == 5
     assert [t["job_id"] for t in found] == [f"j{i}" for i in range(39, 34, -1)]
+
+
+def test_the_standalone_dashboard_shows_the_run_written_last_by_its_configured_name(tmp_path: Path) -> None:
+    from deploy.dashboard import newest_run
+
+    assert newest_run(tmp_path) == "run"  # nothing yet: the trainer's default name
+    older, newer = make_run(tmp_path, "older", steps=2), make_run(tmp_path, "newer", steps=2)
+    (tmp_path / "not-a-run").mkdir()
+    (newer / "config.yaml").write_text(
+        (newer / "config.yaml").read_text().replace("name: newer", "name: live-7")
+    )
+    os.utime(older / "config.yaml", (1, 1))
+    os.utime(older / "metrics.jsonl", (1, 1))
+    os.utime(newer / "config.yaml", (1, 1))
+    os.utime(newer / "metrics.jsonl", (2, 2))
+    assert newest_run(tmp_path) == "live-7"  # its run.name, which its workers' Redis keys carry
+    os.utime(older / "metrics.jsonl", (3, 3))  # older trains again
+    assert newest_run(tmp_path) == "older"
