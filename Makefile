@@ -90,12 +90,16 @@ test-vllm: setup vllm-venv
 demo: setup
 	$(BIN)/python -m deploy.demo
 
-bench: setup browser
-	$(BIN)/python bench/env_server.py
-	$(BIN)/python bench/engine.py
-	$(BIN)/python bench/rollout.py
-	$(BIN)/python bench/trainer.py
-	$(BIN)/python bench/dashboard.py
+# Every benchmark in turn (bench/report.py), their tables into bench/REPORT.md. bench/load.py drives
+# an env server with wrk (C, Debian's package), installed with apt when missing.
+.PHONY: wrk
+wrk:
+	@command -v wrk >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk; }
+
+bench: setup browser wrk
+	$(BIN)/python bench/report.py
 
 lint: setup
 	$(BIN)/ruff check .

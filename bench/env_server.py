@@ -176,10 +176,13 @@ class EnvServerProcess:
         self.environ = {**os.environ, **(environ or {})}
         self.process: subprocess.Popen | None = None
 
+    def command(self) -> list[str]:
+        """What starts the server, before its port and instance limit."""
+        return [sys.executable, "-m", "deploy", "env", "serve", *serve_args(self.bench_env)]
+
     def __enter__(self) -> EnvServerProcess:
         self.log_path = Path(tempfile.mkstemp(prefix="bench-env-server-", suffix=".log")[1])
-        command = [sys.executable, "-m", "deploy", "env", "serve", *serve_args(self.bench_env)]
-        command += ["--port", str(self.port), "--max-instances", str(self.max_instances)]
+        command = [*self.command(), "--port", str(self.port), "--max-instances", str(self.max_instances)]
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=self.environ

