@@ -23,6 +23,7 @@ from env_server.core import Env
 from env_server.pool import Instance, InstancePool
 from env_server.routes import PoolDep, observed_payload, step_payload
 from services.errors import ApiError, not_found, validation_problems
+from services.http_app import model_json
 from services.openenv_protocol import (
     ErrorMessage,
     ObservationMessage,
@@ -183,7 +184,7 @@ async def serve_session(websocket: WebSocket, default_env: str | None) -> None:
             if answer is None:
                 await websocket.close()
                 return
-            await websocket.send_text(answer.model_dump_json())
+            await websocket.send_text(model_json(answer))
     except WebSocketDisconnect:
         return
     finally:
@@ -203,7 +204,7 @@ async def env_session(websocket: WebSocket, family: str, name: str) -> None:
         error = SessionError(
             OpenEnvErrorCode.FACTORY_ERROR, f"no env {env_id!r} on this server; see GET /envs"
         )
-        await websocket.send_text(error.message().model_dump_json())
+        await websocket.send_text(model_json(error.message()))
         await websocket.close(code=1008)
         return
     await serve_session(websocket, env_id)

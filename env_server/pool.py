@@ -247,6 +247,7 @@ def play_turn(env: Env, reply: str, host_options: HostOptions) -> Step:
     Rewards add up; the episode stops at the first action that ends it; ``info["valid"]`` is
     False if any action was invalid, and ``info["actions_executed"]`` says how many ran.
     """
+    reply = _encodable(reply)
     if host_options.max_actions_per_turn == 1:
         return env.step(reply)
     actions = [part.strip() for part in reply.split(ACTION_SEPARATOR)]
@@ -266,6 +267,23 @@ def play_turn(env: Env, reply: str, host_options: HostOptions) -> Step:
     return Step(
         step.observation, total_reward, step.done, {**step.info, "valid": valid, "actions_executed": executed}
     )
+
+
+def _encodable(text: str) -> str:
+    """``text`` with every lone UTF-16 surrogate replaced by ``?``.
+
+    JSON's ``"\\ud800"`` decodes to one, and no encoder takes it: ScienceWorld's JVM, sent such
+    an action through py4j, failed and was killed (tests/integration/test_fuzz_steps.py found
+    it). No env's valid action holds one, so the env refuses the result as it would have refused
+    the action. ASCII, nearly every reply, is passed through after one C-level check.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 def _record(instance: Instance, result: Step) -> None:

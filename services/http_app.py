@@ -10,6 +10,7 @@ import contextlib
 import gc
 import hashlib
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
@@ -23,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.env_protocol import ErrorResponse, Health
@@ -50,11 +53,33 @@ STATUS_CODES = {
 }
 
 
+def dumps_json(content: Any) -> bytes:
+    """``content`` as JSON: orjson, or the stdlib encoder for what orjson refuses to write.
+
+    That is a string holding a lone UTF-16 surrogate: JSON's ``"\\ud800"`` decodes to one, and
+    an env echoes the action it refused. orjson raises on it (the answer would be a 500); the
+    stdlib writes the same escape back, so the client reads exactly what it sent. Found by
+    tests/integration/test_fuzz_steps.py; the fallback costs nothing on the usual path.
+    """
+    try:
+        return orjson.dumps(content)
+    except TypeError:
+        return json.dumps(content).encode()
+
+
+def model_json(model: BaseModel) -> str:
+    """``model`` as JSON text (a WebSocket message), with :func:`dumps_json`'s fallback."""
+    try:
+        return model.model_dump_json()
+    except PydanticSerializationError:
+        return dumps_json(model.model_dump(mode="json")).decode()
+
+
 class OrjsonResponse(JSONResponse):
     """JSON responses through orjson: several times faster than the stdlib encoder on step payloads."""
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
+        return dumps_json(content)
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -64,7 +89,7 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 async def _send_error(
     send: Send, status: int, code: str, message: str, headers: dict[str, str] | None = None
 ):
-    body = orjson.dumps({"error": {"code": code, "message": message}})
+    body = dumps_json({"error": {"code": code, "message": message}})
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
