@@ -227,6 +227,8 @@ async def test_malformed_entries_go_to_the_dead_letter_stream(
         ({"payload": good.model_dump_json()}, "exactly one field"),
         ({"data": good.model_dump_json(), "more": "1"}, "exactly one field"),
         ({"data": b"\xff\xfe"}, "json_invalid"),  # not even UTF-8
+        ({"data": "x" * 4 * 2**20}, "json_invalid"),  # huge
+        ({"data": "[" * 100_000}, "recursion"),  # nested past any parser's stack
     ]
     bad_ids = [(await redis.xadd(KEYS.jobs, bad_entries[0][0])).decode()]
     await jobs.publish(good)
