@@ -6,10 +6,12 @@ the hot path of every env step, and plain ASGI costs a few microseconds where th
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -24,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -333,24 +336,42 @@ class GcPauses:
     does) does not show how long they last; this does, on every service's /metrics, which is
     also how ``bench/load.py`` compares the start-up heap frozen and not. Registered on
     ``gc.callbacks`` only while the app runs (its lifespan), so a stopped app leaves no hook.
+
+    The callback only adds to plain lists and a scrape reads them (a custom collector): a
+    prometheus_client ``Histogram`` takes a non-reentrant lock, and a collection that started
+    while this thread held it would wait on itself for ever.
     """
 
+    BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
     def __init__(self, registry: CollectorRegistry) -> None:
-        histogram = Histogram(
-            "python_gc_pause_seconds",
-            "Time Python's cyclic garbage collector stopped the process, per generation collected",
-            ["generation"],
-            registry=registry,
-            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
-        )
-        self._by_generation = [histogram.labels(str(generation)) for generation in range(3)]
+        self._counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(3)]  # per bucket, +Inf last
+        self._sums = [0.0] * 3
         self._started = 0.0
+        registry.register(self)
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
-            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)
+            return
+        paused = time.perf_counter() - self._started
+        generation = info["generation"]
+        self._sums[generation] += paused
+        self._counts[generation][bisect.bisect_left(self.BUCKETS, paused)] += 1
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "python_gc_pause_seconds",
+            "Time Python's cyclic garbage collector stopped the process, per generation collected",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            cumulative = list(itertools.accumulate(self._counts[generation]))
+            bounds = [*map(str, self.BUCKETS), "+Inf"]
+            family.add_metric(
+                [str(generation)], list(zip(bounds, cumulative, strict=True)), self._sums[generation]
+            )
+        yield family
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
