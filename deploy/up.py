@@ -99,6 +99,10 @@ def bring_up(
     runs two) without one using, and losing, another's env server.
     """
     console = console or Console(stderr=True)
+
+    def port_for(usual: int) -> int:
+        return free_port() if private else _port(usual)
+
     config = load_train_config(config_path, overrides)
     log_dir = config.run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -114,14 +118,14 @@ def bring_up(
             if configured and not private and _healthy(configured):
                 env_urls[family] = configured
                 continue
-            port = free_port() if private else _port(FAMILY_PORTS.get(family, 0) or free_port())
+            port = port_for(FAMILY_PORTS.get(family, 0) or free_port())
             server = start_service(
                 f"env-{family}", ["env", "serve", family, "--port", str(port)], port, log_dir
             )
             started.append(server)
             env_urls[family] = server.url
         console.print(f"env servers: {', '.join(f'{k}={v}' for k, v in env_urls.items())}", highlight=False)
-        port = free_port() if private else _port(8210)
+        port = port_for(8210)
         engine = start_service(
             "engine",
             ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
@@ -131,7 +135,7 @@ def bring_up(
         )  # fmt: skip
         started.append(engine)
         console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
-        port = free_port() if private else _port(8200)
+        port = port_for(8200)
         args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
                 "--run", config.run.name, "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
         for family, url in env_urls.items():
@@ -141,7 +145,7 @@ def bring_up(
         )
         started.append(worker)
         console.print(f"rollout worker: {worker.url}", highlight=False)
-        port = free_port() if private else _port(config.dashboard.port)
+        port = port_for(config.dashboard.port)
         args = ["train", str(config_path), "--port", str(port), "--threads", str(trainer_threads)]
         for family, url in env_urls.items():  # what the dashboard probes: the servers in use
             args += ["--set", f"envs.servers.{family}={url}"]
