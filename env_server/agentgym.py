@@ -144,7 +144,7 @@ def _add_id_routes(router: APIRouter, env_id: str, env_class: type[Env]) -> None
 
     @router.get("/available_actions", response_model=list[str])
     async def available_actions(pool: PoolDep, id: Annotated[str, Query()]) -> list[str]:
-        return own(pool, id).env.available_actions() or []
+        return own(pool, id).runner.available_actions() or []
 
     @router.post("/close", response_model=bool)
     async def close(body: AgentGymClose, pool: PoolDep) -> bool:

@@ -15,18 +15,29 @@ from env_server.core import Env
 from env_server.openenv import router as openenv_router
 from env_server.pool import InstancePool
 from env_server.routes import router
+from env_server.sandbox import SandboxHost, sandboxed_ids
 from services.http_app import create_app
 from services.settings import EnvServerSettings
 
 
 def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) -> FastAPI:
-    pool = InstancePool(env_classes, max_instances=settings.max_instances, ttl_s=settings.instance_ttl_s)
+    isolated = sandboxed_ids(env_classes, settings.isolate)
+    sandbox = (
+        SandboxHost({env_id: env_classes[env_id] for env_id in isolated}, settings.step_timeout_s)
+        if isolated
+        else None
+    )
+    pool = InstancePool(
+        env_classes, max_instances=settings.max_instances, ttl_s=settings.instance_ttl_s, sandbox=sandbox
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(max_workers=settings.worker_threads, thread_name_prefix="env")
         )
+        if sandbox is not None:
+            await sandbox.start()
         reaper = asyncio.create_task(pool.reap_forever(settings.reaper_interval_s))
         try:
             yield
@@ -35,6 +46,8 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
             await pool.close_all()
+            if sandbox is not None:
+                await sandbox.stop()
             for env_class in env_classes.values():
                 await asyncio.to_thread(env_class.shutdown)
 

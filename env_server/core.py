@@ -81,6 +81,11 @@ class Env(abc.ABC):
     # True when reset and step cost microseconds: the host then runs them on its event loop instead
     # of hopping to a worker thread, which would cost more than the call itself.
     runs_inline: ClassVar[bool] = False
+    # True when the env's author vouches that every call returns promptly: the host then runs it in
+    # its own process (inline or on a thread), where nothing could stop a call that hangs. Any other
+    # env runs one process per instance, killed when a call takes longer than ``step_timeout_s``
+    # (env_server/sandbox.py); that costs each step an exchange over a Unix socket (bench/sandbox.py).
+    trusted: ClassVar[bool] = False
 
     @classmethod
     def env_id(cls) -> str:

@@ -1,8 +1,10 @@
 """Live env instances: creation under a limit, one lock each, idle expiry, multi-action turns.
 
-All bookkeeping happens on the event loop, so it needs no thread locks. Env code runs inline
-for envs that declare ``runs_inline`` (microsecond steps) and on worker threads otherwise, so a
-slow reset of one instance never stalls steps of others. Each instance's ``asyncio.Lock``
+All bookkeeping happens on the event loop, so it needs no thread locks. A trusted env's code
+runs in this process (:class:`LocalEnv`): inline for envs that declare ``runs_inline``
+(microsecond steps), on worker threads otherwise, so a slow reset of one instance never stalls
+steps of others. Any other env's instance lives in a process of its own, killed when a call
+overruns (:class:`env_server.sandbox.SandboxedEnv`). Each instance's ``asyncio.Lock``
 serialises its own calls: two concurrent steps on one instance never interleave.
 """
 
@@ -12,15 +14,18 @@ import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from env_server.core import Env, EnvFailure, Observation, Step
 from services.contracts import ACTION_SEPARATOR
 from services.errors import ApiError, conflict, not_found, too_many, validation_problems
+
+if TYPE_CHECKING:
+    from env_server.sandbox import SandboxHost
 
 T = TypeVar("T")
 
@@ -38,13 +43,55 @@ class HostOptions(BaseModel):
     )
 
 
+class EnvRunner(Protocol):
+    """Where an instance's env code runs: this process (:class:`LocalEnv`) or a process of its
+    own (:class:`env_server.sandbox.SandboxedEnv`). ``env`` is the env object when it is here."""
+
+    inline: bool
+    env: Env | None
+
+    async def reset(self, seed: int, options: BaseModel, host_options: HostOptions) -> Observation: ...
+
+    async def play(self, reply: str, host_options: HostOptions) -> Step: ...
+
+    def available_actions(self) -> list[str] | None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalEnv:
+    """A trusted env in the server's process: on the event loop when it ``runs_inline``, else on
+    a worker thread."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.inline = env.runs_inline
+
+    async def reset(self, seed: int, options: BaseModel, host_options: HostOptions) -> Observation:
+        return await self._run(lambda: self.env.reset(seed, options))
+
+    async def play(self, reply: str, host_options: HostOptions) -> Step:
+        return await self._run(lambda: play_turn(self.env, reply, host_options))
+
+    def available_actions(self) -> list[str] | None:
+        return self.env.available_actions()
+
+    async def close(self) -> None:
+        await self._run(self.env.close)
+
+    async def _run(self, call: Callable[[], T]) -> T:
+        if self.inline:
+            return call()
+        return await asyncio.to_thread(call)
+
+
 @dataclass(eq=False)
 class Instance:
-    """One env object with the state the host keeps around it."""
+    """One env with the state the host keeps around it."""
 
     instance_id: str
     env_id: str
-    env: Env
+    runner: EnvRunner
     seed: int
     options: dict[str, Any]
     host_options: HostOptions
@@ -56,6 +103,11 @@ class Instance:
     total_reward: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    @property
+    def env(self) -> Env | None:
+        """The env object, when it lives in this process (a trusted env's)."""
+        return self.runner.env
+
     def touch(self) -> None:
         self.last_used_at = time.time()
 
@@ -63,10 +115,17 @@ class Instance:
 class InstancePool:
     """Owns every live instance of one env server."""
 
-    def __init__(self, env_classes: dict[str, type[Env]], max_instances: int, ttl_s: float) -> None:
+    def __init__(
+        self,
+        env_classes: dict[str, type[Env]],
+        max_instances: int,
+        ttl_s: float,
+        sandbox: SandboxHost | None = None,
+    ) -> None:
         self.env_classes = env_classes
         self.max_instances = max_instances
         self.ttl_s = ttl_s
+        self.sandbox = sandbox  # its env ids' instances get a process each
         self.instances: dict[str, Instance] = {}
         self._reserved = 0  # creates in flight, counted against the limit before they finish
         self.reaped_total = 0
@@ -86,18 +145,18 @@ class InstancePool:
         env_class = self.env_classes.get(env_id)
         if env_class is None:
             raise not_found("env", env_id)
-        env_options, host_options = parse_options(env_class, options or {})
+        options = encodable_json(options or {})
+        env_options, host_options = parse_options(env_class, options)
         if len(self.instances) + self._reserved >= self.max_instances:
             raise too_many("instance_limit", f"this server holds its limit of {self.max_instances} instances")
         seed = secrets.randbelow(2**31) if seed is None else seed
         self._reserved += 1
         try:
-            env = env_class()
+            runner = await self._new_runner(env_id, env_class)
             try:
-                await env.start()
-                first = await _run(env, lambda: env.reset(seed, env_options))
+                first = await runner.reset(seed, env_options, host_options)
             except BaseException as exc:
-                await _run(env, env.close)
+                await runner.close()
                 if isinstance(exc, EnvFailure):
                     raise _failed(env_id, "a new instance", exc) from None
                 raise
@@ -107,9 +166,9 @@ class InstancePool:
         instance = Instance(
             instance_id=str(uuid.uuid4()),
             env_id=env_id,
-            env=env,
+            runner=runner,
             seed=seed,
-            options=dict(options or {}),
+            options=options,
             host_options=host_options,
             observation=first.observation,
             created_at=now,
@@ -118,15 +177,29 @@ class InstancePool:
         self.instances[instance.instance_id] = instance
         return instance, first
 
+    async def _new_runner(self, env_id: str, env_class: type[Env]) -> EnvRunner:
+        try:
+            if self.sandbox is not None and env_id in self.sandbox.env_classes:
+                return await self.sandbox.spawn(env_id)
+            runner = LocalEnv(env_class())
+            try:
+                await runner.env.start()
+            except BaseException:
+                await runner.close()
+                raise
+            return runner
+        except EnvFailure as exc:
+            raise _failed(env_id, "a new instance", exc) from None
+
     async def reset(self, instance_id: str, seed: int | None, options: dict[str, Any] | None) -> Observation:
         instance = self.get(instance_id)
-        env_class = type(instance.env)
-        new_options = instance.options if options is None else dict(options)
+        env_class = self.env_classes[instance.env_id]
+        new_options = instance.options if options is None else encodable_json(options)
         env_options, host_options = parse_options(env_class, new_options)
         async with instance.lock:
             self.get(instance_id)  # closed while we waited for the lock?
             seed = instance.seed if seed is None else seed
-            observed = await self._call(instance, lambda: instance.env.reset(seed, env_options))
+            observed = await self._call(instance, instance.runner.reset(seed, env_options, host_options))
             instance.seed, instance.options, instance.host_options = seed, new_options, host_options
             instance.observation, instance.done = observed.observation, False
             instance.turns, instance.total_reward = 0, 0.0
@@ -135,7 +208,7 @@ class InstancePool:
 
     async def step(self, instance_id: str, action: str) -> Step:
         instance = self.get(instance_id)
-        if instance.env.runs_inline and _uncontended(instance.lock):
+        if instance.runner.inline and _uncontended(instance.lock):
             # Nothing below awaits, so no other task can see the lock in between: taking it
             # would change nothing but cost time on the hottest path.
             return self._step_inline(instance, action)
@@ -143,26 +216,26 @@ class InstancePool:
             self.get(instance_id)
             if instance.done:
                 raise _episode_done(instance_id)
-            result = await self._call(
-                instance, lambda: play_turn(instance.env, action, instance.host_options)
-            )
+            result = await self._call(instance, instance.runner.play(action, instance.host_options))
             _record(instance, result)
         return result
 
-    async def _call(self, instance: Instance, call: Callable[[], T]) -> T:
-        """Run a reset or step of ``instance`` (its lock held); an :class:`EnvFailure` closes
+    async def _call(self, instance: Instance, call: Awaitable[T]) -> T:
+        """Await a reset or step of ``instance`` (its lock held); an :class:`EnvFailure` closes
         the instance, releasing what it holds, and answers 502 naming the cause."""
         try:
-            return await _run(instance.env, call)
+            return await call
         except EnvFailure as exc:
             if self.instances.pop(instance.instance_id, None) is not None:
-                await _run(instance.env, instance.env.close)
+                await instance.runner.close()
             raise _failed(instance.env_id, f"instance {instance.instance_id}", exc) from None
 
     def _step_inline(self, instance: Instance, action: str) -> Step:
         if instance.done:
             raise _episode_done(instance.instance_id)
-        result = play_turn(instance.env, action, instance.host_options)
+        env = instance.runner.env
+        assert env is not None  # an inline runner is a LocalEnv
+        result = play_turn(env, action, instance.host_options)
         _record(instance, result)
         return result
 
@@ -180,7 +253,7 @@ class InstancePool:
                 chain.append(index)
                 continue
             instance = self.instances.get(instance_id)
-            if instance is None or not (instance.env.runs_inline and _uncontended(instance.lock)):
+            if instance is None or not (instance.runner.inline and _uncontended(instance.lock)):
                 chains[instance_id] = [index]
                 continue
             try:
@@ -204,7 +277,7 @@ class InstancePool:
         instance = self.get(instance_id)
         async with instance.lock:
             if self.instances.pop(instance_id, None) is not None:
-                await _run(instance.env, instance.env.close)
+                await instance.runner.close()
 
     async def close_all(self) -> None:
         for instance_id in list(self.instances):
@@ -286,6 +359,18 @@ def _encodable(text: str) -> str:
     return text
 
 
+def encodable_json(value: Any) -> Any:
+    """``value`` (parsed JSON) with :func:`_encodable` applied to every string in it, keys too:
+    reset options reach the env and are echoed by ``GET /instances`` like actions are."""
+    if isinstance(value, str):
+        return _encodable(value)
+    if isinstance(value, dict):
+        return {_encodable(k): encodable_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [encodable_json(v) for v in value]
+    return value
+
+
 def _record(instance: Instance, result: Step) -> None:
     instance.observation = result.observation
     instance.done = result.done
@@ -305,9 +390,3 @@ def _episode_done(instance_id: str) -> ApiError:
 def _uncontended(lock: asyncio.Lock) -> bool:
     """Free, with no task queued for it (a queued task would be served before a newcomer)."""
     return not lock.locked() and not getattr(lock, "_waiters", None)
-
-
-async def _run(env: Env, call: Callable[[], T]) -> T:
-    if env.runs_inline:
-        return call()
-    return await asyncio.to_thread(call)

@@ -15,6 +15,7 @@ from pathlib import Path
 from env_server.core import Env
 
 ENTRY_POINT_GROUP = "stargym.envs"
+USER_MODULE_PREFIX = "stargym_user_env_"  # the module of an env loaded from a file path
 
 
 class EnvLoadError(ValueError):
@@ -85,7 +86,7 @@ def load_envs(families: list[str], paths: list[str]) -> dict[str, type[Env]]:
 def _import_file(path: Path):
     if not path.is_file():
         raise EnvLoadError(f"env file {str(path)!r} does not exist")
-    module_name = f"stargym_user_env_{path.stem}"
+    module_name = f"{USER_MODULE_PREFIX}{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -308,7 +308,7 @@ async def get_instance(instance_id: str, pool: PoolDep) -> InstanceState:
 
 @router.get("/instances/{instance_id}/available_actions", response_model=list[str] | None)
 async def available_actions(instance_id: str, pool: PoolDep) -> list[str] | None:
-    return pool.get(instance_id).env.available_actions()
+    return pool.get(instance_id).runner.available_actions()
 
 
 @router.delete("/instances/{instance_id}", status_code=204, response_class=Response)

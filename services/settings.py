@@ -6,7 +6,7 @@ Command-line flags override the environment by passing keyword arguments.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BeforeValidator, Field, SecretStr
@@ -56,6 +56,17 @@ class EnvServerSettings(ServiceSettings):
         "slow JVM steps stall every other thread-run env).",
     )
     reaper_interval_s: float = Field(default=30.0, gt=0, description="How often the reaper looks.")
+    step_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A create, reset, step or close of a sandboxed env that takes longer is stopped: its "
+        "process is killed and the instance ends with an error naming the timeout.",
+    )
+    isolate: Literal["untrusted", "all"] = Field(
+        default="untrusted",
+        description="Which envs run one process per instance: those not declared `trusted`, or all "
+        "(to measure what isolation costs, or to distrust an env without editing it).",
+    )
 
 
 def redact_url(url: str) -> str:

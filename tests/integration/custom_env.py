@@ -4,12 +4,16 @@
 - :class:`SlowEnv` ("test/slow"): resets and steps that block on purpose (a delay, or a gate file
   the test creates), to show that a slow instance never stalls the others; it also records
   whether two of its calls ever ran at the same time.
+- :class:`HangingEnv` ("test/hanging"): steps that spin, block, crash or raise on request, to show
+  that the host stops them (env_server/sandbox.py) while its other instances step on.
 - :class:`NotAnEnv` and :class:`NoMetadataEnv`: what ``--env`` must refuse with a clear message.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -141,3 +145,40 @@ class NoMetadataEnv(Env):
 
     def step(self, action: str) -> Step:
         return Step("", 0.0, True)
+
+
+class HangOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hang_in_reset: bool = False
+
+
+class HangingEnv(Env):
+    """A user's env that misbehaves on request: ``spin`` loops in Python forever, ``block`` sleeps
+    in C for an hour, ``crash`` dies of SIGSEGV, ``raise`` breaks the never-raise contract; any
+    other action is echoed. Its reset says which process it runs in (``info["pid"]``)."""
+
+    name = "hanging"
+    family = "test"
+    instruction = "Say 'spin', 'block', 'crash', 'raise', or anything else."
+    action_format = "any text"
+    default_max_turns = 100
+    reward_range = (0.0, 0.0)
+    Options = HangOptions
+
+    def reset(self, seed: int, options: HangOptions) -> Observation:
+        if options.hang_in_reset:
+            time.sleep(3600)
+        return Observation(f"seed {seed}", {"pid": os.getpid()})
+
+    def step(self, action: str) -> Step:
+        if action == "spin":
+            while True:
+                pass
+        if action == "block":
+            time.sleep(3600)
+        if action == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if action == "raise":
+            raise ValueError("boom")
+        return Step(action, 0.0, False, {"pid": os.getpid()})

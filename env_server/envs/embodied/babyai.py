@@ -159,6 +159,7 @@ class BabyAIEnv(Env):
     # p50 ~0.8 ms (p99 5-10 ms: a long path is many minigrid moves at ~0.2 ms each, then the view
     # and the plan). That is milliseconds, not microseconds: run them on worker threads.
     runs_inline = False
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
 
     @classmethod
     def agentgym_task(cls, data_idx: int) -> tuple[int, dict[str, Any] | None]:

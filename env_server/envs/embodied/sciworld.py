@@ -207,6 +207,7 @@ class SciWorldEnv(Env):
     # Per step: +1.0 at most (0 to 100), -1.99 at worst (from 99 to the failure's -100).
     reward_range = (-2.0, 1.0)
     Options = SciWorldOptions
+    trusted = True  # ours, fuzzed (tests/integration/test_fuzz_steps.py); the JVM pool kills hung calls
 
     def __init__(self, pool: JvmPool | None = None) -> None:
         """``pool``: the JVM pool to lease from; by default the process's shared one."""

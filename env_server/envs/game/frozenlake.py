@@ -62,6 +62,7 @@ class FrozenLakeEnv(Env):
     reward_range = (0.0, 1.0)
     Options = FrozenLakeOptions
     runs_inline = True
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
 
     def __init__(self) -> None:
         self._rng = random.Random()

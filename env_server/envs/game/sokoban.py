@@ -235,6 +235,7 @@ class SokobanEnv(Env):
     reward_range = (STEP_PENALTY + BOX_OFF_PENALTY, STEP_PENALTY + BOX_ON_REWARD + SOLVED_REWARD)
     Options = SokobanOptions
     runs_inline = False
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
 
     def __init__(self) -> None:
         self._room = Room(0, 0, frozenset(), frozenset(), frozenset(), 0)

@@ -69,6 +69,7 @@ class ReasoningEnv(Env):
     # knight_swap take 1.2 s and steps of rubiks_cube 5 ms, and any dataset's cost grows with its
     # config, which runs_inline, a class attribute, cannot follow.
     runs_inline = False
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
     dataset: ClassVar[DatasetInfo]
 
     def __init__(self) -> None:

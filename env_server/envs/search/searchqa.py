@@ -155,6 +155,7 @@ class SearchQAEnv(Env):
     reward_range = (0.0, 1.0)
     Options = SearchQAOptions
     agentgym_dialect = "env_idx"  # AgentGym's SearchQA client: /create {"id": 0}, then env_idx
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
     vocabulary_actions = ("<search>", "</search>", "<answer>", "</answer>")
 
     @classmethod

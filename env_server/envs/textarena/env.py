@@ -61,6 +61,7 @@ class TextArenaEnv(Env):
 
     family = "textarena"
     runs_inline = False
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
     game: ClassVar[Game]
     Options: ClassVar[type[TextArenaOptions]]
 

@@ -157,6 +157,7 @@ class ShopEnv(Env):
     reward_range = (0.0, 1.0)
     Options = ShopOptions
     agentgym_dialect = "webshop"
+    trusted = True  # ours, and every call is fuzzed by tests/integration/test_fuzz_steps.py
     vocabulary_options = ({"start": "results"}, {})
 
     @classmethod
