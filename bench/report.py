@@ -29,6 +29,7 @@ BENCHMARKS = {
     "trainer": "PolicyUpdater.update against a bare training loop",
     "dashboard": "dashboard page load at 10,000 steps, and training with the page open",
     "load": "env server under wrk (GC pauses), trajectories through Redis",
+    "sandbox": "an env instance in a process of its own against the env in the server's process",
 }
 DEADLINE_S = 15 * 60
 """One benchmark that has not finished by then is stopped and reported as failed."""
