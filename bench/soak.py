@@ -3,8 +3,9 @@
 Brings up the whole system of ``configs/frozenlake-tiny.yaml`` (a private Redis, the game env
 server, the CPU engine, a rollout worker, the trainer) with an update budget it cannot reach, so
 it trains for the whole time, and reads every process's RSS (``VmRSS``, its children's added)
-every ``--interval-s``. After ``--warmup-minutes`` (caches, the allocator's pools, torch's
-workspaces fill up) the RSS of the last minute of the warm-up is each service's baseline; the
+every ``--interval-s``. The warm-up ends after ``--warmup-minutes`` and ``WARMUP_UPDATES`` updates,
+whichever is later (caches, the allocator's pools, the optimizer's state and torch's workspaces
+fill up; on a busy machine the updates come slower than the minutes); the RSS of the last minute of the warm-up is each service's baseline; the
 RSS of the last minute of the run must stay within 10% of it. Exit 1 names the services that grew
 more, or a service that died. Results go to ``bench/results/soak.json``.
 
@@ -31,6 +32,7 @@ from deploy.up import bring_up  # noqa: E402
 CONFIG = REPO_ROOT / "configs" / "frozenlake-tiny.yaml"
 GROWTH_LIMIT = 0.10
 WINDOW_S = 60.0  # the baseline and the end are each the median of this last stretch
+WARMUP_UPDATES = 20
 
 
 def rss_kib(pid: int) -> int:
@@ -69,12 +71,17 @@ def main(minutes: float, warmup_minutes: float, interval_s: float) -> int:
     overrides = [f"run.output_dir={run_dir}", "run.name=soak", "optim.total_steps=1000000"]
     samples: dict[str, list[tuple[float, int]]] = {}
     died: list[str] = []
-    with bring_up(CONFIG, overrides, trainer_args=["--max-minutes", str(minutes)], private=True) as stack:
+    with bring_up(CONFIG, overrides, trainer_args=["--max-minutes", str(minutes + 2)], private=True) as stack:
         pids = {service.name: service.process.pid for service in stack.services}
         if stack.redis.process is not None:
             pids["redis"] = stack.redis.process.pid
         started = time.monotonic()
+        warm_end: float | None = None
         while (elapsed := time.monotonic() - started) < minutes * 60:
+            if warm_end is None and elapsed >= warmup_minutes * 60:
+                status = stack.trainer_status()
+                if status is not None and status["step"] >= WARMUP_UPDATES:
+                    warm_end = elapsed
             for name, pid in pids.items():
                 rss = rss_kib(pid)
                 if rss == 0 and name not in died:
@@ -84,7 +91,10 @@ def main(minutes: float, warmup_minutes: float, interval_s: float) -> int:
                 break
             time.sleep(interval_s)
         status = stack.trainer_status()
-    warm_end, run_end = warmup_minutes * 60, min(elapsed, minutes * 60)
+    if warm_end is None or elapsed - warm_end < WINDOW_S:
+        print(f"FAILED: the run never warmed up ({WARMUP_UPDATES} updates and a minute of run after them)")
+        return 1
+    run_end = min(elapsed, minutes * 60)
     rows = []
     for name, series in samples.items():
         baseline, end = window(series, warm_end), window(series, run_end)
