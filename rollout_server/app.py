@@ -1,7 +1,8 @@
 """The rollout worker's HTTP API on :8200: /health, /metrics and /status.
 
-/health is a 503 naming the engines while every engine the worker had is lost (it stopped
-answering); the worker waits for one to come back, and is healthy again once it does.
+/health is a 503 naming Redis while Redis does not answer, or naming the engines while every
+engine the worker had is lost (it stopped answering); the worker waits for them to come back, and
+is healthy again once they do.
 
 The worker runs inside the app's lifespan: it starts with the server and, when uvicorn shuts down
 (SIGTERM, SIGINT), stops taking jobs and finishes or abandons its in-flight episodes before the

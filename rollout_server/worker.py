@@ -33,7 +33,9 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
 * **failures**: an env error reruns the episode once (``env_retries``), then the trajectory is
   published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
   request retried by the engine client (for ``engine_busy_timeout_s``; counted as
-  ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them.
+  ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them,
+  and from a failed Redis call to the next one that works, ``/health`` is a 503 naming Redis
+  (the worker waits for it, as for a lost engine: not ready, but alive).
 * **heartbeat**: the worker's entry in the run's ``workers`` hash (its URL, the env servers and
   engines it uses now, and :class:`WorkerStatus`) is rewritten every ``heartbeat_s`` and deleted
   on a clean stop, so the dashboard finds every worker and the services behind it;
@@ -290,6 +292,8 @@ class RolloutWorker:
         self._background: list[asyncio.Task[None]] = []
         self._started = time.monotonic()
         self._completions: deque[tuple[float, int]] = deque()
+        self._redis_lost: tuple[float, str] | None = None
+        """``(time.monotonic(), why)`` of the first failed Redis call since the last that worked."""
         self._counts = dict.fromkeys(
             (
                 "jobs_done",
@@ -376,6 +380,7 @@ class RolloutWorker:
             try:
                 await self._jobs.ensure_group()
                 await self._trajectories.ensure_group()
+                self._redis_answered()
                 break
             except _TRANSIENT as exc:
                 self._redis_error("creating the consumer groups", exc)
@@ -439,6 +444,7 @@ class RolloutWorker:
                     )
                     deliveries += [(d, False) for d in fresh]
                 backoff.reset()
+                self._redis_answered()
             except _TRANSIENT as exc:
                 self._redis_error("reading jobs", exc)
                 await self._sleep(backoff.next_delay())
@@ -518,6 +524,7 @@ class RolloutWorker:
                 completion = await complete_job(
                     self.keys, self._jobs, delivery, self._trajectories, trajectory
                 )
+                self._redis_answered()
                 break
             except _TRANSIENT as exc:
                 self._redis_error(f"publishing the trajectory of job {trajectory.job_id}", exc)
@@ -610,11 +617,15 @@ class RolloutWorker:
         slot.admission = asyncio.create_task(self._admit(slot), name=f"readmit {slot.url}")
 
     def unhealthy(self) -> str | None:
-        """Why no episode can be played now, or None: every engine this worker had is lost."""
+        """Why no job can be taken or finished now, or None: Redis does not answer (its last
+        call failed), or every engine this worker had is lost."""
+        now = time.monotonic()
+        if self._redis_lost is not None:
+            since, why = self._redis_lost
+            return f"Redis does not answer for {now - since:.0f} s, jobs wait for it: {why}"
         slots = [slot for slot in self._slots if not slot.retired]
         if not slots or any(slot.ready for slot in slots) or not all(slot.lost for slot in slots):
             return None
-        now = time.monotonic()
         lost = "; ".join(f"{slot.url} for {now - slot.lost_at:.0f} s ({slot.lost})" for slot in slots)
         return f"no engine answers, episodes wait for one: {lost}"
 
@@ -693,6 +704,7 @@ class RolloutWorker:
                 if time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + PRUNE_INTERVAL_S
                     await self._prune_registry()
+                self._redis_answered()
             except _TRANSIENT as exc:
                 self._redis_error("writing the heartbeat", exc)
             except Exception:
@@ -904,6 +916,14 @@ class RolloutWorker:
         self._count("redis_errors")
         self._metrics.redis_errors.inc()
         logger.warning("Redis error %s: %s: %s", what, type(exc).__name__, exc)
+        since = self._redis_lost[0] if self._redis_lost is not None else time.monotonic()
+        self._redis_lost = (since, f"{what}: {type(exc).__name__}: {exc}")
+
+    def _redis_answered(self) -> None:
+        """A Redis call worked: Redis is no longer a reason to be unhealthy."""
+        if self._redis_lost is not None:
+            logger.info("Redis answers again after %.0f s", time.monotonic() - self._redis_lost[0])
+            self._redis_lost = None
 
     def status(self) -> WorkerStatus:
         now = time.monotonic()

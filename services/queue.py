@@ -21,12 +21,16 @@ the visibility timeout, in one Lua script that cannot drop an entry delivered me
 
 Every call is bounded: clients made by :func:`connect` have socket and connect timeouts and a
 few fast retries, so a dead Redis surfaces as ``redis.exceptions.ConnectionError`` within seconds.
+A write that must not be lost to an outage (a policy pointer, an ack) goes through
+:func:`retry_unreachable`, which waits Redis out with the project's one backoff.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -38,6 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.http_client import Backoff
 from services.rollout_protocol import (
     DATA_FIELD,
     DEAD_LETTER_SUFFIX,
@@ -52,6 +57,11 @@ from services.rollout_protocol import (
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+"""What a Redis that is down, restarting or still loading its data raises (``BusyLoadingError``
+is a ``ConnectionError``): worth waiting out, unlike an error Redis answered with."""
 
 DEFAULT_DEDUP_TTL_S = 24 * 3600
 """How long a run's ``done:<job_id>`` key lives: far longer than any job can stay pending."""
@@ -86,6 +96,35 @@ def connect(
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         decode_responses=False,
     )
+
+
+async def retry_unreachable(
+    call: Callable[[], Awaitable[T]], what: str, backoff: Backoff, stop: asyncio.Event
+) -> T:
+    """``await call()`` until Redis is reachable for it, backing off between tries.
+
+    For a write the caller cannot go on without and may repeat (a policy pointer, acks): a
+    service keeps going through a Redis restart instead of failing at the first refused
+    connection. Once ``stop`` is set, the next failure is raised: a service asked to stop must
+    not wait for a Redis that may never come back. Errors Redis answers with are raised at once.
+    """
+    while True:
+        try:
+            result = await call()
+        except UNREACHABLE as exc:
+            if stop.is_set():
+                raise
+            delay = backoff.next_delay()
+            logger.warning(
+                "Redis unreachable %s (%s: %s); retrying in %.1f s", what, type(exc).__name__, exc, delay
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            continue
+        if backoff.attempt:
+            logger.info("Redis reachable again %s", what)
+        backoff.reset()
+        return result
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from services.http_client import Backoff
 from services.queue import Delivery, StreamQueue, job_queue, trajectory_queue
 from services.rollout_protocol import JobFields, RolloutJob, RunKeys, Trajectory
 from trainer.algorithms.filtering import select_groups
@@ -78,6 +79,9 @@ TRAINER_CONSUMER = "trainer"
 """The trainer's consumer name in the ``trainer`` group: the same in every lifetime, so that a
 restarted trainer finds its own pending entries (it reclaims them anyway, whatever the name)."""
 REISSUE_SUFFIX = "-r1"
+REDIS_BACKOFF_S = 0.2
+REDIS_MAX_BACKOFF_S = 5.0
+"""The trainer's backoff while Redis does not answer: first wait and cap, in seconds."""
 _MAX_REASON_LOGS = 20
 
 
@@ -464,7 +468,7 @@ class Controller:
 
     async def _pump(self) -> None:
         """Background loop: top the job queue up, read trajectories, group them, expire lost groups."""
-        delay = 0.2
+        backoff = Backoff(REDIS_BACKOFF_S, REDIS_MAX_BACKOFF_S)
         while not self._closed:
             try:
                 await self._issue()
@@ -475,13 +479,18 @@ class Controller:
                     self._last_delivery = time.monotonic()
                 await self._expire()
                 await self._say_why_nothing_arrives()
-                delay = 0.2
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except RedisError as exc:
-                logger.warning("Redis error in the controller: %s: %s; retrying", type(exc).__name__, exc)
+                delay = backoff.next_delay()
+                logger.warning(
+                    "Redis error in the controller: %s: %s; retrying in %.1f s",
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
             except Exception as exc:  # a bug: make next_batch raise instead of hanging
                 logger.exception("the controller stopped")
                 self._error = exc

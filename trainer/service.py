@@ -14,6 +14,9 @@ One asyncio loop runs everything (issue 4, items 4, 6 and 7):
   values); echo-trap events are logged as warnings and counted in ``train/echo_trap/*``;
 * a run resumes from its newest checkpoint: the step continues, the published policy is restored,
   and the trajectories the dead trainer had not committed are re-read;
+* a Redis outage (a restart, a failover) is waited out: the controller backs off its reads, and
+  the writes an update must make (the policy pointer, the acks after a checkpoint, an eval
+  round's jobs) are retried with backoff until Redis answers or the run is stopped;
 * every ``eval.every`` updates, and once more when the run ends (total steps or time budget, not
   on a stop), the held-out seeds are played (:mod:`trainer.evaluation`) while training goes on;
   each finished round's ``eval/*`` metrics are logged at the step whose policy it played, and
@@ -39,11 +42,11 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -52,13 +55,14 @@ from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from services.http_app import create_app
-from services.queue import connect, set_policy
+from services.http_client import Backoff
+from services.queue import connect, retry_unreachable, set_policy
 from services.rollout_protocol import RunKeys, Trajectory
 from services.settings import ServiceSettings
 from trainer.algorithms.echo_trap import EchoTrapDetector
 from trainer.checkpoint import CheckpointStore, LoadedCheckpoint
 from trainer.config import TrainConfig
-from trainer.controller import Batch, Controller, trajectory_stats
+from trainer.controller import REDIS_BACKOFF_S, REDIS_MAX_BACKOFF_S, Batch, Controller, trajectory_stats
 from trainer.dashboard.app import install_dashboard
 from trainer.dashboard.runs import RunsDirectory, RunStatus, write_run_status
 from trainer.dashboard.samples import TrajectoryRecorder
@@ -69,6 +73,7 @@ from trainer.metrics import MetricsLogger, register_prometheus
 from trainer.ranks import DEFAULT_TIMEOUT_S, Leader, RankInfo, follow, split_groups
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVAL_FILE = "eval.jsonl"
 STATUS_KEYS = (
@@ -471,10 +476,13 @@ class Trainer:
         if finished is not None:
             self._log_eval(finished)
         every = self.config.eval.every
-        if every and self.step % every == 0 and not await self.controller.start_eval(self.step):
-            logger.warning(
-                "step %d: no eval round started, the previous one is still being played", self.step
-            )
+        if not every or self.step % every:
+            return
+        controller, step = self.controller, self.step
+        if not await self._redis(
+            f"issuing the eval round of step {step}", lambda: controller.start_eval(step)
+        ):
+            logger.warning("step %d: no eval round started, the previous one is still being played", step)
 
     async def _evaluate_at_the_end(self) -> None:
         """Evaluate the final policy (waiting out a round still in flight first), then ack the episodes."""
@@ -484,12 +492,13 @@ class Trainer:
         pending = await self.controller.wait_eval(timeout)
         if pending is not None:
             self._log_eval(pending)
-        if pending is None or pending.step != self.step:
-            await self.controller.start_eval(self.step)
-            final = await self.controller.wait_eval(timeout)
+        controller, step = self.controller, self.step
+        if pending is None or pending.step != step:
+            await self._redis(f"issuing the eval round of step {step}", lambda: controller.start_eval(step))
+            final = await controller.wait_eval(timeout)
             if final is not None:
                 self._log_eval(final)
-        await self.controller.commit(self.step)
+        await self._redis(f"acking what step {step} used", lambda: controller.commit(step))
         self.state = previous_state
 
     def _log_eval(self, round_: EvalRound) -> None:
@@ -551,8 +560,18 @@ class Trainer:
         joins the network (seen here: the trainer died on its first publish after a start).
         """
         path = await asyncio.to_thread(self._save_policy, version)
-        await set_policy(redis, RunKeys(self.config.run.name), version, str(path))
+        keys = RunKeys(self.config.run.name)
+        await self._redis(
+            f"publishing policy v{version}", lambda: set_policy(redis, keys, version, str(path))
+        )
         self.policy_version = version
+
+    async def _redis(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, waiting out a Redis outage (a restart, a failover) until the run is stopped:
+        the update it follows is done, and failing the run over a write it can repeat would
+        throw that away (:func:`services.queue.retry_unreachable`)."""
+        backoff = Backoff(REDIS_BACKOFF_S, REDIS_MAX_BACKOFF_S)
+        return await retry_unreachable(call, what, backoff, self._stop)
 
     async def _checkpoint(self) -> None:
         """Save the checkpoint of the current step, then ack what its updates used."""
@@ -587,7 +606,8 @@ class Trainer:
 
         await asyncio.to_thread(save)
         self.last_checkpoint = self.step
-        acked = await self.controller.commit(self.step)
+        controller, step = self.controller, self.step
+        acked = await self._redis(f"acking what step {step} used", lambda: controller.commit(step))
         logger.info("checkpoint of step %d saved; %d trajectories acked", self.step, acked)
         self.state = previous_state
 
