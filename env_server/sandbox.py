@@ -82,10 +82,6 @@ class SandboxHost:
         self._pids: dict[str, int] = {}
         self._exits: OrderedDict[int, str] = OrderedDict()
 
-    @property
-    def env_ids(self) -> list[str]:
-        return sorted(self.env_classes)
-
     async def start(self) -> None:
         """Start the zygote and wait until it has imported and prepared every class."""
         loop = asyncio.get_running_loop()
@@ -123,6 +119,7 @@ class SandboxHost:
             reader, writer, hello = await asyncio.wait_for(connected, self.step_timeout_s)
         except TimeoutError:
             self.kill(token)
+            self.forget(token)
             raise EnvFailure(
                 f"a new instance did not start within step_timeout_s={self.step_timeout_s:g} s; "
                 "its process was killed"

@@ -77,8 +77,13 @@ def serve_command(
         except EnvFailure as exc:
             typer.echo(f"cannot serve {env_id}: {exc}", err=True)
             raise typer.Exit(2) from None
+    try:
+        app = build_app(env_classes, settings)
+    except TypeError as exc:  # an env wired against what the host can do (env_server/sandbox.py)
+        typer.echo(f"cannot serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     uvicorn.run(
-        build_app(env_classes, settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
