@@ -15,6 +15,7 @@ too. :func:`bring_up` is the same as a context manager, for the demo and the tes
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -132,6 +133,7 @@ def bring_up(
              "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
             port,
             log_dir,
+            env=engine_env(config),
         )  # fmt: skip
         started.append(engine)
         console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
@@ -161,6 +163,15 @@ def bring_up(
         for service in reversed(started):
             service.stop(timeout_s=30.0)
         redis.stop()
+
+
+def engine_env(config: TrainConfig) -> dict[str, str]:
+    """The engine's settings from the run: it may reload weights from the run directory, where
+    the trainer publishes ``policy-v<N>/``, wherever ``run.output_dir`` puts it. Its default
+    roots (the model's parent, the working directory) missed a run under /tmp: every reload got
+    403, the engine kept serving v0, and the trainer dropped every trajectory as stale."""
+    roots = [config.run_dir, Path(config.model.path).parent, Path.cwd()]
+    return {"STARGYM_WEIGHTS_ROOTS": os.pathsep.join(str(root.resolve()) for root in roots)}
 
 
 def _interrupt(signum: int, frame: object) -> None:
