@@ -83,6 +83,8 @@ REDIS_BACKOFF_S = 0.2
 REDIS_MAX_BACKOFF_S = 5.0
 """The trainer's backoff while Redis does not answer: first wait and cap, in seconds."""
 _MAX_REASON_LOGS = 20
+STALL_WARNING_S = 60.0
+"""A batch that takes longer than this gets a warning saying why, and again each time as long."""
 
 
 @dataclass
@@ -227,6 +229,7 @@ class Controller:
         self._pump_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._reason_logs = 0
+        self._newest_stale_version: int | None = None  # of the groups dropped as stale
         self._last_delivery = time.monotonic()
         self._last_stall_check = 0.0
         self._closed = False
@@ -594,6 +597,7 @@ class Controller:
         for group in self._ready:
             if group.oldest_version < limit:
                 self.counters["dropped_stale"] += len(group.entries)
+                self._newest_stale_version = max(self._newest_stale_version or 0, group.oldest_version)
                 self._drop(
                     group,
                     "stale",
@@ -604,9 +608,21 @@ class Controller:
                 fresh.append(group)
         self._ready = fresh
 
+    def _stall_reason(self, waited_s: float, stale: int) -> str:
+        """Why no batch came for ``waited_s``: the words a user needs, not only counters."""
+        waiting = f"no update batch for {waited_s:.0f} s ({len(self._ready)}/{self.config.candidate_groups} groups ready)"
+        if stale:
+            return (
+                f"{waiting}: {stale} trajectories dropped as stale meanwhile, the newest sampled under "
+                f"v{self._newest_stale_version} while the policy is v{self.policy_version}. The engines are "
+                "not serving new policies: see the rollout workers' logs (a failing policy reload?)"
+            )
+        return f"{waiting}: {self._outstanding_jobs} jobs issued and not back; are rollout workers running on this run?"
+
     async def next_batch(self, timeout_s: float | None = None) -> Batch:
         """Wait for enough complete, fresh groups and cut one update batch (for step ``step + 1``)."""
-        started = time.monotonic()
+        started = warned = time.monotonic()
+        stale_before = self.counters["dropped_stale"]
         needed = self.config.candidate_groups
         while True:
             if self._error is not None:
@@ -614,6 +630,11 @@ class Controller:
             self._drop_stale()
             if len(self._ready) >= needed:
                 break
+            if time.monotonic() - warned >= STALL_WARNING_S:
+                warned = time.monotonic()
+                logger.warning(
+                    self._stall_reason(warned - started, self.counters["dropped_stale"] - stale_before)
+                )
             self._changed.clear()
             remaining = None if timeout_s is None else timeout_s - (time.monotonic() - started)
             if remaining is not None and remaining <= 0:

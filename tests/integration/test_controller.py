@@ -17,6 +17,7 @@ from conftest import eventually
 
 from services.queue import connect, job_queue, trajectory_queue
 from services.rollout_protocol import RolloutJob, RunKeys, Trajectory, Turn
+from trainer import controller as controller_module
 from trainer.audit_log import RotatingJsonl
 from trainer.config import TrainConfig
 from trainer.controller import Controller, read_controller_log, shape_reward
@@ -388,3 +389,35 @@ async def test_batches_are_logged_by_job_id_and_the_log_stays_small(
     # + commit per update, and the start.
     groups = sum(r["event"] == "issue" for r in records)
     assert len(records) <= 2 * groups + 2 * 3 + 1
+
+
+async def test_a_stalled_batch_says_why_in_the_log(
+    client: redis.asyncio.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Engines stuck on an old policy make every trajectory stale: the trainer says so, not only counts."""
+    monkeypatch.setattr(controller_module, "STALL_WARNING_S", 0.5)
+    controller = Controller(make_config(max_inflight=4), client, run_dir=tmp_path)
+    await controller.start()
+    trajectories = trajectory_queue(client, KEYS)
+    try:
+        with caplog.at_level("WARNING", logger="trainer.controller"):
+            with pytest.raises(TimeoutError):
+                await controller.next_batch(timeout_s=1.5)
+            assert "4 jobs issued and not back" in caplog.text
+            caplog.clear()
+            controller.set_progress(step=3, policy_version=3)
+            for job in await issued_jobs(client, 100):
+                await trajectories.publish(trajectory(job, 1.0, version=0))
+            with pytest.raises(TimeoutError):
+                await controller.next_batch(timeout_s=1.5)
+        stalls = [r.message for r in caplog.records if r.message.startswith("no update batch")]
+        assert stalls, caplog.text
+        assert (
+            "4 trajectories dropped as stale" in stalls[0] and "under v0 while the policy is v3" in stalls[0]
+        )
+        assert "failing policy reload" in stalls[0]
+    finally:
+        await controller.close()
