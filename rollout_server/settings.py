@@ -120,7 +120,14 @@ class WorkerSettings(ServiceSettings):
     env_retries: int = Field(
         default=1,
         ge=0,
-        description="Reruns of an episode after an env error.",
+        description="Reruns of an episode after an env error, each on another env server of the "
+        "family while there is one it has not failed on.",
+    )
+    env_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest wait for one env server call (create, step, close): a server that "
+        "hangs fails the attempt, which is rerun, instead of holding the episode for ever.",
     )
     engine_backoff_s: float = Field(default=0.2, gt=0)
     engine_max_backoff_s: float = Field(default=5.0, gt=0)

@@ -30,12 +30,16 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
   reloaded in turn (pause → ``reload_weights`` → ``update_weight_version`` → resume) behind a
   gate that lets the episodes running on it finish and holds new ones back. Every episode runs
   under one engine version, so every turn is tagged with the version it was sampled under;
-* **failures**: an env error reruns the episode once (``env_retries``), then the trajectory is
-  published with ``error`` set: a job is never dropped. An engine's 429 is backed off and the
-  request retried by the engine client (for ``engine_busy_timeout_s``; counted as
-  ``engine_backoffs``). Redis errors are logged and backed off; the loop never dies of them,
-  and from a failed Redis call to the next one that works, ``/health`` is a 503 naming Redis
-  (the worker waits for it, as for a lost engine: not ready, but alive).
+* **failures**: an env error reruns the episode once (``env_retries``), on another env server of
+  the family if it has one, then the trajectory is published with ``error`` set, naming the
+  server and the cause: a job is never dropped. Every env call has a timeout
+  (``env_timeout_s``), so a hung server fails the attempt instead of holding it. The
+  trajectory says which server played it and why earlier attempts were rerun
+  (``env_server``, ``rerun_after``). An engine's 429 is backed off and the request retried by
+  the engine client (for ``engine_busy_timeout_s``; counted as ``engine_backoffs``). Redis
+  errors are logged and backed off; the loop never dies of them, and from a failed Redis call
+  to the next one that works, ``/health`` is a 503 naming Redis (the worker waits for it, as
+  for a lost engine: not ready, but alive).
 * **heartbeat**: the worker's entry in the run's ``workers`` hash (its URL, the env servers and
   engines it uses now, and :class:`WorkerStatus`) is rewritten every ``heartbeat_s`` and deleted
   on a clean stop, so the dashboard finds every worker and the services behind it;
@@ -355,7 +359,9 @@ class RolloutWorker:
         self._trajectories = trajectory_queue(self._redis, self.keys)
         env_token = settings.env_api_token.get_secret_value() if settings.env_api_token else None
         for family in self._env_discovery:
-            self._envs[family] = ServerPool(lambda url: EnvClient(url, token=env_token))
+            self._envs[family] = ServerPool(
+                lambda url: EnvClient(url, token=env_token, timeout=settings.env_timeout_s)
+            )
         await self._resolve()
 
     async def _close(self) -> None:
@@ -551,7 +557,10 @@ class RolloutWorker:
         """The episode's trajectory; failures that outlast their retries come back as ``error``.
 
         Each attempt leases the least busy env server of the family and plays the whole episode
-        there; a rerun leases again, so it may go to another server.
+        there. A rerun after an env error leases another server of the family while there is one
+        this episode has not failed on (a dead server, with nothing in flight, would otherwise
+        look the least busy); with one server it goes back to it. The trajectory records the
+        server it was played on and why each earlier attempt was abandoned.
         """
         family = job.env.split("/", 1)[0]
         pool = self._envs.get(family)
@@ -560,27 +569,39 @@ class RolloutWorker:
             return self._failed(job, f"no env server for family {family!r} (this worker has: {known})")
         settings = self.settings
         env_failures = engine_failures = 0
+        failed_on: set[str] = set()
+        reruns: list[str] = []
         backoff = Backoff(settings.engine_backoff_s, settings.engine_max_backoff_s)
         while True:
-            try:
-                with pool.lease() as server:
+            with pool.lease(avoid=failed_on) as server:
+                where = {"env_server": server.url, "rerun_after": reruns}
+                try:
                     instruction = await self._instruction(server.client, job.env)
                     if instruction is None:
-                        return self._failed(job, f"env {job.env!r} is not served by {server.url}")
-                    return await self._episode(job, server.client, instruction)
-            except (EpisodeEnvError, EnvClientError) as exc:
-                env_failures += 1
-                if env_failures > settings.env_retries:
-                    return self._failed(job, f"env error: {exc} (after {env_failures} attempts)")
-                self._count("env_retries")
-                self._metrics.env_retries.inc()
-                logger.warning("job %s: env error, rerunning the episode: %s", job.job_id, exc)
-            except EngineClientError as exc:
-                engine_failures += 1
-                if engine_failures > settings.engine_retries:
-                    return self._failed(job, f"engine error: {exc} (after {engine_failures} attempts)")
-                logger.warning("job %s: engine error, rerunning the episode: %s", job.job_id, exc)
-                await asyncio.sleep(backoff.next_delay())
+                        return self._failed(job, f"env {job.env!r} is not served by {server.url}", **where)
+                    trajectory = await self._episode(job, server.client, instruction)
+                    return trajectory.model_copy(update=where)
+                except (EpisodeEnvError, EnvClientError) as exc:
+                    reason = f"env server {server.url}: {exc}"
+                    failed_on.add(server.target)
+                    env_failures += 1
+                    if env_failures > settings.env_retries:
+                        return self._failed(
+                            job, f"env error: {reason} (after {env_failures} attempts)", **where
+                        )
+                    self._count("env_retries")
+                    self._metrics.env_retries.inc()
+                    logger.warning("job %s: rerunning the episode after an env error: %s", job.job_id, reason)
+                    reruns.append(reason)
+                    continue
+                except EngineClientError as exc:
+                    reason = f"engine error: {exc}"
+                    engine_failures += 1
+                    if engine_failures > settings.engine_retries:
+                        return self._failed(job, f"{reason} (after {engine_failures} attempts)", **where)
+                    logger.warning("job %s: rerunning the episode after an %s", job.job_id, reason)
+                    reruns.append(reason)
+            await asyncio.sleep(backoff.next_delay())  # an engine error: not holding the env server
 
     async def _episode(self, job: RolloutJob, envs: EnvClient, instruction: str) -> Trajectory:
         slot = await self._pick_engine()
@@ -649,10 +670,13 @@ class RolloutWorker:
                 self._instructions[spec.id] = spec.instruction
         return self._instructions.get(env_id)
 
-    def _failed(self, job: RolloutJob, error: str) -> Trajectory:
+    def _failed(self, job: RolloutJob, error: str, **fields: Any) -> Trajectory:
+        """A trajectory of ``job`` with ``error`` set and ``fields`` (``env_server``, ``rerun_after``)."""
         version = self._served_version()
         version = job.policy_version if version is None else version
-        return Trajectory.from_job(job, error=error, worker_id=self.consumer, policy_version=version)
+        return Trajectory.from_job(
+            job, error=error, worker_id=self.consumer, policy_version=version, **fields
+        )
 
     # -- keeping jobs ours --------------------------------------------------------------------
 

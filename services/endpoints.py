@@ -36,7 +36,7 @@ import ipaddress
 import itertools
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -245,9 +245,14 @@ class ServerPool(Generic[C]):
                 await server.client.aclose()
 
     @contextlib.contextmanager
-    def lease(self) -> Iterator[Server[C]]:
-        """The least busy active server, its ``in_flight`` counted up for the ``with`` block."""
-        server = pick_least_busy(self.active, lambda s: s.in_flight, next(self._turn))
+    def lease(self, avoid: Collection[str] = ()) -> Iterator[Server[C]]:
+        """The least busy active server, its ``in_flight`` counted up for the ``with`` block.
+
+        ``avoid``: targets not to pick while another active server is left (the ones a rerun
+        already failed on: a dead server has nothing in flight, so it would look least busy).
+        """
+        others = [server for server in self.active if server.target not in avoid]
+        server = pick_least_busy(others or self.active, lambda s: s.in_flight, next(self._turn))
         server.in_flight += 1
         try:
             yield server

@@ -201,6 +201,15 @@ class Trajectory(JobFields):
         default_factory=dict, description="Seconds, e.g. 'total_s', 'generate_s', 'env_s', 'queue_wait_s'."
     )
     worker_id: str = Field(min_length=1)
+    env_server: str | None = Field(
+        default=None, description="The env server the episode's last attempt ran on (its URL)."
+    )
+    rerun_after: list[str] = Field(
+        default_factory=list,
+        description="Why each earlier attempt was abandoned and the episode played again, oldest "
+        "first, each naming the server that failed (an env server that died, an engine that stopped "
+        "answering).",
+    )
     text_only: bool = Field(
         default=False,
         description="Played by a text-only engine (an OpenAI-compatible chat endpoint, for evaluation): "

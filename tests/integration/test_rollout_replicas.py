@@ -6,13 +6,20 @@ others run the worker in this process with an injected resolver, so that a made-
 for several loopback addresses (Linux routes all of 127/8 to ``lo``; servers bind 127.0.0.1 and
 127.0.0.2 on the same port, as replicas behind a headless Service would). The worker connects to
 the addresses it resolved, so nothing else ever looks the name up.
+
+The last tests kill (SIGKILL) or hang (SIGSTOP) an env server with episodes held on it: each
+episode is replayed on another replica when there is one, or ends with an error naming the
+server and the cause, within a bounded time; every job yields exactly one trajectory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
+import signal
 import subprocess
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -309,3 +316,155 @@ async def test_an_engine_replica_that_joins_loads_the_policy_before_it_takes_epi
 
 async def _equals(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
+
+
+# -- an env server that dies or hangs mid-episode -------------------------------------------------
+
+KILL_DEADLINE_S = 30.0
+"""Longest wait for the episodes held on a killed or hung env server to end."""
+LOST_CONNECTION = re.compile(r"connection broke: .*(reset by peer|disconnected)|Connect call failed", re.I)
+"""How the HTTP client names a server killed under a request: the request was sent and its
+connection reset, or (a lease is counted before its request is out) the connection refused."""
+
+
+def game_servers(servers: Callable[..., RunningServer], count: int) -> list[RunningServer]:
+    """``count`` game env servers on free loopback ports, started together."""
+    started = [servers("127.0.0.1", free_port(), "env", "serve", "game", wait=False) for _ in range(count)]
+    healthy(*started)
+    return started
+
+
+async def start_worker(
+    settings: WorkerSettings, model: Path, db: redis.Redis
+) -> tuple[RolloutWorker, asyncio.Task[None]]:
+    """A worker in this process that has played one job, so it knows the env's instruction: the
+    episodes after it start with ``POST /instances``, not ``GET /envs`` (which would be re-sent)."""
+    worker = RolloutWorker(settings, AutoTokenizer.from_pretrained(model))
+    running = asyncio.create_task(worker.run())
+    publish(db, make_jobs(1, max_turns=4, start=100))
+    await eventually(lambda: trajectory_count(db, 1), "the warm-up trajectory", DEADLINE_S)
+    db.delete(KEYS.trajectories)
+    return worker, running
+
+
+def held_on(worker: RolloutWorker, server: RunningServer) -> int:
+    """Episodes the worker has in flight on ``server``."""
+    return sum(s.in_flight for s in worker.status().env_servers if s.url == server.url)
+
+
+async def _held(worker: RolloutWorker, server: RunningServer, count: int) -> bool:
+    return held_on(worker, server) == count
+
+
+async def test_episodes_on_a_killed_env_server_are_replayed_on_the_other_replica(
+    db: redis.Redis, servers, models: tuple[Path, Path], redis_url: str, engine
+) -> None:
+    live, doomed = game_servers(servers, 2)
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        run=KEYS.run_id,
+        engine_urls=[engine.url],
+        env_urls={"game": [live.url, doomed.url]},
+        concurrency=8,
+    )
+    worker, running = await start_worker(settings, models[0], db)
+    try:
+        doomed.process.send_signal(signal.SIGSTOP)  # it takes connections and answers nothing
+        jobs = make_jobs(8, max_turns=4)
+        publish(db, jobs)
+        # Leases alternate: four episodes are held on the frozen server, four finish on the other.
+        await eventually(lambda: _held(worker, doomed, 4), "four episodes held", DEADLINE_S)
+        await eventually(lambda: trajectory_count(db, 4), "four trajectories", DEADLINE_S)
+        assert held_on(worker, doomed) == 4
+        doomed.process.kill()
+        await eventually(lambda: trajectory_count(db, 8), "the held episodes replayed", KILL_DEADLINE_S)
+
+        found = trajectories(db)
+        assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)  # once each
+        assert all(t.error is None and t.env_server == live.url for t in found), [t.error for t in found]
+        replayed = [t for t in found if t.rerun_after]
+        assert len(replayed) == 4
+        for trajectory in replayed:
+            (reason,) = trajectory.rerun_after
+            assert reason.startswith(f"env server {doomed.url}: game/frozenlake: create failed:"), reason
+            assert LOST_CONNECTION.search(reason), reason
+        status = worker.status()
+        assert status.env_retries == 4 and status.jobs_done == 9 and status.jobs_failed == 0
+        assert pending_jobs(db) == 0
+    finally:
+        await worker.shutdown()
+        await running
+
+
+async def test_with_one_replica_a_killed_env_server_fails_its_episodes_naming_the_cause(
+    db: redis.Redis, servers, models: tuple[Path, Path], redis_url: str, engine
+) -> None:
+    (server,) = game_servers(servers, 1)
+    settings = WorkerSettings(
+        redis_url=redis_url, run=KEYS.run_id, engine_urls=[engine.url], env_urls={"game": [server.url]}
+    )
+    worker, running = await start_worker(settings, models[0], db)
+    try:
+        server.process.send_signal(signal.SIGSTOP)
+        jobs = make_jobs(2, max_turns=4)
+        publish(db, jobs)
+        await eventually(lambda: _held(worker, server, 2), "two episodes held", DEADLINE_S)
+        server.process.kill()
+        killed = time.monotonic()
+        await eventually(lambda: trajectory_count(db, 2), "the held episodes to fail", KILL_DEADLINE_S)
+        ended_s = time.monotonic() - killed
+
+        found = trajectories(db)
+        assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)
+        for trajectory in found:
+            # Rerun once on the only server there is; the rerun was refused, or reset when it went
+            # out on a connection pooled before the kill.
+            (first,) = trajectory.rerun_after
+            assert first.startswith(f"env server {server.url}: game/frozenlake: create failed:"), first
+            error = trajectory.error or ""
+            assert error.startswith(f"env error: env server {server.url}:"), error
+            assert error.endswith("(after 2 attempts)"), error
+            for reason in (first, error):
+                assert LOST_CONNECTION.search(reason), reason
+            assert trajectory.env_server == server.url and not trajectory.trainable
+        assert ended_s < 10.0, f"the episodes took {ended_s:.1f} s to fail"
+        assert worker.status().jobs_failed == 2 and pending_jobs(db) == 0
+    finally:
+        await worker.shutdown()
+        await running
+
+
+async def test_a_hung_env_server_times_out_instead_of_holding_the_episode(
+    db: redis.Redis, servers, models: tuple[Path, Path], redis_url: str, engine
+) -> None:
+    (server,) = game_servers(servers, 1)
+    timeout_s = 1.5
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        run=KEYS.run_id,
+        engine_urls=[engine.url],
+        env_urls={"game": [server.url]},
+        env_timeout_s=timeout_s,
+    )
+    worker, running = await start_worker(settings, models[0], db)
+    try:
+        server.process.send_signal(signal.SIGSTOP)  # never killed: it just stops answering
+        publish(db, make_jobs(1, max_turns=4))
+        stopped = time.monotonic()
+        await eventually(lambda: trajectory_count(db, 1), "the hung episode to end", KILL_DEADLINE_S)
+        ended_s = time.monotonic() - stopped
+
+        (trajectory,) = trajectories(db)
+        for reason in [*trajectory.rerun_after, trajectory.error or ""]:
+            assert f"env server {server.url}: game/frozenlake: create failed:" in reason, reason
+            assert f"no answer within {timeout_s} s" in reason, reason
+        assert len(trajectory.rerun_after) == 1
+        assert 2 * timeout_s <= ended_s < 2 * timeout_s + 5.0, ended_s  # two attempts, each timed out
+    finally:
+        server.process.kill()
+        await worker.shutdown()
+        await running
+
+
+def pending_jobs(db: redis.Redis) -> int:
+    return int(db.xpending(KEYS.jobs, "rollout")["pending"])

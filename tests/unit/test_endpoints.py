@@ -232,6 +232,21 @@ async def test_a_pool_spreads_leases_evenly() -> None:
     assert set(served.values()) == {10}
 
 
+async def test_a_lease_avoids_the_servers_named_while_another_is_left() -> None:
+    pool = ServerPool(FakeClient)
+    await pool.update(at("http://a", "http://b", "http://c"))
+    a, b, c = pool.servers
+    with pool.lease() as busy:  # a dead server holds nothing: without avoid it would win
+        assert busy is a
+    for _ in range(4):
+        with pool.lease(avoid={a.target}) as server:
+            assert server in (b, c)
+    with pool.lease(avoid={a.target, c.target}) as server:
+        assert server is b
+    with pool.lease(avoid={a.target, b.target, c.target}) as server:  # none left: any will do
+        assert server in (a, b, c)
+
+
 async def test_a_vanished_server_gets_no_new_work_and_is_closed_once_idle() -> None:
     pool = ServerPool(FakeClient)
     await pool.update(at("http://a", "http://b"))
