@@ -18,7 +18,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -27,6 +27,7 @@ import httpx
 import typer
 from rich.console import Console
 
+from deploy.evaluation import ENGINE_TOKEN_VAR, ENV_TOKEN_VAR
 from deploy.launcher import ServiceProcess, free_port, start_service
 from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
@@ -143,7 +144,11 @@ def bring_up(
         for family, url in env_urls.items():
             args += ["--env", f"{family}={url}"]
         worker = start_service(
-            "rollout", args, port, log_dir, env={**env, "STARGYM_ROLLOUT_POLICY_POLL_S": "1"}
+            "rollout",
+            args,
+            port,
+            log_dir,
+            env={**env, **worker_tokens(os.environ), "STARGYM_ROLLOUT_POLICY_POLL_S": "1"},
         )
         started.append(worker)
         console.print(f"rollout worker: {worker.url}", highlight=False)
@@ -172,6 +177,18 @@ def engine_env(config: TrainConfig) -> dict[str, str]:
     403, the engine kept serving v0, and the trainer dropped every trajectory as stale."""
     roots = [config.run_dir, Path(config.model.path).parent, Path.cwd()]
     return {"STARGYM_WEIGHTS_ROOTS": os.pathsep.join(str(root.resolve()) for root in roots)}
+
+
+def worker_tokens(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the worker sends the env servers and the engine: they inherit ``STARGYM_API_TOKEN``
+    from this process and require it, and the worker reads its outgoing tokens from variables of
+    its own (``STARGYM_ROLLOUT_ENV_API_TOKEN``, ``..._ENGINE_API_TOKEN``, as the compose file and
+    the manifests set them), so without this every episode failed with 401. One set explicitly
+    is kept."""
+    token = environ.get("STARGYM_API_TOKEN", "").strip()
+    if not token:
+        return {}
+    return {name: environ.get(name) or token for name in (ENV_TOKEN_VAR, ENGINE_TOKEN_VAR)}
 
 
 def _interrupt(signum: int, frame: object) -> None:
