@@ -67,9 +67,17 @@ from services.env_protocol import (
     AgentGymStepResult,
 )
 from services.errors import not_found
+from services.openapi import error_responses, refusals
 
 # What /create starts with before the client picks its task with /reset, as AgentGym's do.
 CREATE_SEED = 0
+CREATED = error_responses(429, 502, descriptions={429: "The server's instance limit."})
+OF_THIS_ENV = error_responses(404, descriptions={404: "No instance of this env with this id."})
+STEPPED = error_responses(404, 409, 502, descriptions={409: "The episode is over: reset the instance."})
+RESET = {
+    **error_responses(404, 502),
+    **refusals(422, {"invalid_options": "the env has no task of this index (past its last one)"}),
+}
 
 
 class WebPageEnv(Protocol):
@@ -114,20 +122,20 @@ def _add_id_routes(router: APIRouter, env_id: str, env_class: type[Env]) -> None
     """TextCraft's, BabyAI's and SciWorld's dialect: the instance is ``id``."""
     own = _owner(env_id)
 
-    @router.post("/create", response_model=AgentGymCreated)
+    @router.post("/create", response_model=AgentGymCreated, responses=CREATED)
     async def create(pool: PoolDep, body: Annotated[AgentGymCreate | None, Body()] = None) -> AgentGymCreated:
         # The body is only validated: a custom task in it is a 422, the rest carries nothing we use.
         instance, first = await pool.create(env_id, CREATE_SEED, None)
         return AgentGymCreated(id=instance.instance_id, observation=first.observation)
 
-    @router.post("/reset", response_model=AgentGymResetResult)
+    @router.post("/reset", response_model=AgentGymResetResult, responses=RESET)
     async def reset(body: AgentGymReset, pool: PoolDep) -> AgentGymResetResult:
         own(pool, body.id)
         seed, options = env_class.agentgym_task(body.data_idx)
         observed = await pool.reset(body.id, seed, options)
         return AgentGymResetResult(id=body.id, observation=observed.observation)
 
-    @router.post("/step", response_model=AgentGymStepResult)
+    @router.post("/step", response_model=AgentGymStepResult, responses=STEPPED)
     async def step(body: AgentGymStep, pool: PoolDep) -> AgentGymStepResult:
         instance = own(pool, body.id)  # held, so a close right after the step cannot hide the score
         result = await pool.step(body.id, body.action)
@@ -138,15 +146,15 @@ def _add_id_routes(router: APIRouter, env_id: str, env_class: type[Env]) -> None
             done=result.done,
         )
 
-    @router.get("/observation", response_model=str)
+    @router.get("/observation", response_model=str, responses=OF_THIS_ENV)
     async def observation(pool: PoolDep, id: Annotated[str, Query()]) -> str:
         return own(pool, id).observation
 
-    @router.get("/available_actions", response_model=list[str])
+    @router.get("/available_actions", response_model=list[str], responses=OF_THIS_ENV)
     async def available_actions(pool: PoolDep, id: Annotated[str, Query()]) -> list[str]:
         return own(pool, id).runner.available_actions() or []
 
-    @router.post("/close", response_model=bool)
+    @router.post("/close", response_model=bool, responses=OF_THIS_ENV)
     async def close(body: AgentGymClose, pool: PoolDep) -> bool:
         own(pool, body.id)
         await pool.close(body.id)
@@ -157,19 +165,19 @@ def _add_env_idx_routes(router: APIRouter, env_id: str, env_class: type[Env]) ->
     """SearchQA's dialect: the instance is ``env_idx``; /create and /reset answer bare strings."""
     own = _owner(env_id)
 
-    @router.post("/create", response_model=str)
+    @router.post("/create", response_model=str, responses=CREATED)
     async def create(pool: PoolDep, body: Annotated[AgentGymIndexedCreate | None, Body()] = None) -> str:
         instance, _ = await pool.create(env_id, CREATE_SEED, None)
         return instance.instance_id
 
-    @router.post("/reset", response_model=str)
+    @router.post("/reset", response_model=str, responses=RESET)
     async def reset(body: AgentGymIndexedReset, pool: PoolDep) -> str:
         own(pool, body.env_idx)
         seed, options = env_class.agentgym_task(body.id)
         observed = await pool.reset(body.env_idx, seed, options)
         return observed.observation
 
-    @router.post("/step", response_model=AgentGymIndexedStepResult)
+    @router.post("/step", response_model=AgentGymIndexedStepResult, responses=STEPPED)
     async def step(body: AgentGymIndexedStep, pool: PoolDep) -> AgentGymIndexedStepResult:
         own(pool, body.env_idx)
         result = await pool.step(body.env_idx, body.action)
@@ -177,11 +185,11 @@ def _add_env_idx_routes(router: APIRouter, env_id: str, env_class: type[Env]) ->
             observation=result.observation, reward=result.reward, done=result.done, info=result.info
         )
 
-    @router.get("/observation", response_model=str)
+    @router.get("/observation", response_model=str, responses=OF_THIS_ENV)
     async def observation(pool: PoolDep, env_idx: Annotated[str, Query()]) -> str:
         return own(pool, env_idx).observation
 
-    @router.post("/close", response_model=bool)
+    @router.post("/close", response_model=bool, responses=OF_THIS_ENV)
     async def close(body: AgentGymIndexedClose, pool: PoolDep) -> bool:
         own(pool, body.env_idx)
         await pool.close(body.env_idx)
@@ -199,12 +207,12 @@ def _add_webshop_routes(router: APIRouter, env_id: str, env_class: type[Env]) ->
     def page_of(pool: InstancePool, env_idx: str) -> WebPageEnv:
         return cast(WebPageEnv, own(pool, env_idx).env)
 
-    @router.post("/create", response_model=str)
+    @router.post("/create", response_model=str, responses=CREATED)
     async def create(pool: PoolDep) -> str:
         instance, _ = await pool.create(env_id, CREATE_SEED, None)
         return instance.instance_id
 
-    @router.post("/reset", response_model=tuple[str, None])
+    @router.post("/reset", response_model=tuple[str, None], responses=RESET)
     async def reset(body: AgentGymShopReset, pool: PoolDep) -> tuple[str, None]:
         instance = own(pool, body.env_idx)
         if body.session_id is None:
@@ -214,34 +222,34 @@ def _add_webshop_routes(router: APIRouter, env_id: str, env_class: type[Env]) ->
         observed = await pool.reset(body.env_idx, seed, options)
         return observed.observation, None
 
-    @router.post("/step", response_model=AgentGymShopStepResult)
+    @router.post("/step", response_model=AgentGymShopStepResult, responses=STEPPED)
     async def step(body: AgentGymIndexedStep, pool: PoolDep) -> AgentGymShopStepResult:
         own(pool, body.env_idx)
         result = await pool.step(body.env_idx, body.action)
         return AgentGymShopStepResult(state=result.observation, reward=result.reward, done=result.done)
 
-    @router.get("/observation", response_model=str)
+    @router.get("/observation", response_model=str, responses=OF_THIS_ENV)
     async def observation(pool: PoolDep, env_idx: Annotated[str, Query()]) -> str:
         return own(pool, env_idx).observation
 
-    @router.get("/available_actions", response_model=AgentGymShopActions)
+    @router.get("/available_actions", response_model=AgentGymShopActions, responses=OF_THIS_ENV)
     async def available_actions(pool: PoolDep, env_idx: Annotated[str, Query()]) -> AgentGymShopActions:
         page = page_of(pool, env_idx)
         labels = [label.lower() for label in page.clickables()]
         return AgentGymShopActions(has_search_bar=page.has_search_bar, clickables=labels)
 
-    @router.get("/instruction_text", response_model=str)
+    @router.get("/instruction_text", response_model=str, responses=OF_THIS_ENV)
     async def instruction_text(pool: PoolDep, env_idx: Annotated[str, Query()]) -> str:
         return page_of(pool, env_idx).instruction_text()
 
-    @router.get("/state", response_model=AgentGymShopState)
+    @router.get("/state", response_model=AgentGymShopState, responses=OF_THIS_ENV)
     async def state(pool: PoolDep, env_idx: Annotated[str, Query()]) -> AgentGymShopState:
         page = page_of(pool, env_idx)
         return AgentGymShopState(
             url=page.page_url(), html=page.html, instruction_text=page.instruction_text()
         )
 
-    @router.post("/close", response_model=AgentGymShopClosed)
+    @router.post("/close", response_model=AgentGymShopClosed, responses=OF_THIS_ENV)
     async def close(body: AgentGymIndexedClose, pool: PoolDep) -> AgentGymShopClosed:
         own(pool, body.env_idx)
         await pool.close(body.env_idx)

@@ -13,6 +13,7 @@ from prometheus_client import Gauge
 from env_server.agentgym import agentgym_router
 from env_server.core import Env
 from env_server.openenv import router as openenv_router
+from env_server.options_schema import document_env_options
 from env_server.pool import InstancePool
 from env_server.routes import router
 from env_server.sandbox import SandboxHost, sandboxed_ids
@@ -60,6 +61,7 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
         lifespan=lifespan,
     )
     app.state.pool = pool
+    document_env_options(app, env_classes)
     registry = app.state.metrics_registry
     Gauge("env_instances", "Live env instances", registry=registry).set_function(lambda: len(pool))
     Gauge("env_instance_limit", "Instance limit", registry=registry).set(settings.max_instances)

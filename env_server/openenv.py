@@ -24,6 +24,7 @@ from env_server.pool import Instance, InstancePool
 from env_server.routes import PoolDep, observed_payload, step_payload
 from services.errors import ApiError, not_found, validation_problems
 from services.http_app import model_json
+from services.openapi import error_responses
 from services.openenv_protocol import (
     ErrorMessage,
     ObservationMessage,
@@ -210,9 +211,18 @@ async def env_session(websocket: WebSocket, family: str, name: str) -> None:
     await serve_session(websocket, env_id)
 
 
+NO_SUCH_ENV = error_responses(404, descriptions={404: "No env 'family/name' on this server."})
+
+
 @router.get("/health", response_model=OpenEnvHealth)
-@router.get("/{family}/{name}/health", response_model=OpenEnvHealth)
 async def health() -> OpenEnvHealth:
+    return OpenEnvHealth()
+
+
+@router.get("/{family}/{name}/health", response_model=OpenEnvHealth, responses=NO_SUCH_ENV)
+async def env_health(family: str, name: str, pool: PoolDep) -> OpenEnvHealth:
+    """Healthy for an env this server has; a 404 for one it has not, as its schema and metadata."""
+    _env_class(pool, family, name)
     return OpenEnvHealth()
 
 
@@ -221,7 +231,7 @@ async def schemas() -> Schemas:
     return _schemas()
 
 
-@router.get("/{family}/{name}/schema", response_model=Schemas)
+@router.get("/{family}/{name}/schema", response_model=Schemas, responses=NO_SUCH_ENV)
 async def env_schemas(family: str, name: str, pool: PoolDep) -> Schemas:
     _env_class(pool, family, name)
     return _schemas()
@@ -238,7 +248,7 @@ async def metadata(request: Request, pool: PoolDep) -> OpenEnvMetadata:
     )
 
 
-@router.get("/{family}/{name}/metadata", response_model=OpenEnvMetadata)
+@router.get("/{family}/{name}/metadata", response_model=OpenEnvMetadata, responses=NO_SUCH_ENV)
 async def env_metadata(request: Request, family: str, name: str, pool: PoolDep) -> OpenEnvMetadata:
     env_class = _env_class(pool, family, name)
     return OpenEnvMetadata(

@@ -7,14 +7,17 @@ from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.exceptions import ResponseValidationError
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.convertors import Convertor, register_url_convertor
 
 from env_server.core import Env, Observation, Step
-from env_server.pool import HostOptions, Instance, InstancePool
+from env_server.options_schema import check_option_types, options_schema
+from env_server.pool import Instance, InstancePool
 from services.env_protocol import (
+    INSTANCE_ID_PATTERN,
     BatchStepRequest,
     BatchStepResponse,
     CreateInstance,
@@ -30,8 +33,38 @@ from services.env_protocol import (
 )
 from services.errors import ApiError
 from services.http_app import OrjsonResponse
+from services.openapi import error_responses, refusals
 
 router = APIRouter(tags=["instances"])
+
+
+class InstanceIdConvertor(Convertor[str]):
+    """Routes only path segments that can be instance ids to the ``{instance_id}`` routes.
+
+    Otherwise ``/instances/{instance_id}`` would also match ``/instances/step``: a GET there would
+    be "instance 'step' does not exist" instead of a 405 naming POST, the one method of that path.
+    """
+
+    regex = INSTANCE_ID_PATTERN
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("instance_id", InstanceIdConvertor())
+INSTANCE_PATH = "/instances/{instance_id:instance_id}"
+InstanceId = Annotated[str, Path(pattern=f"^{INSTANCE_ID_PATTERN}$", description="From POST /instances.")]
+OPTIONS_REFUSED = refusals(
+    422,
+    {
+        "invalid_options": "the env refuses these options by a rule of its own beyond their schema "
+        "(one option against another, a seed it cannot make a task from with them; on reset, options "
+        "of another env than the instance's)"
+    },
+)
 
 
 async def get_pool(request: Request) -> InstancePool:
@@ -44,8 +77,6 @@ PoolDep = Annotated[InstancePool, Depends(get_pool)]
 
 
 def env_spec(env_id: str, env_class: type[Env]) -> EnvSpec:
-    schema = env_class.Options.model_json_schema()
-    schema.setdefault("properties", {}).update(HostOptions.model_json_schema()["properties"])
     return EnvSpec(
         id=env_id,
         name=env_class.name,
@@ -54,7 +85,7 @@ def env_spec(env_id: str, env_class: type[Env]) -> EnvSpec:
         action_format=env_class.action_format,
         default_max_turns=env_class.default_max_turns,
         reward_range=env_class.reward_range,
-        options_schema=schema,
+        options_schema=options_schema(env_class),
     )
 
 
@@ -212,8 +243,16 @@ class ResetRoute(FastPathRoute):
         else:
             return None
         pool: InstancePool = request.app.state.pool
-        observed = await pool.reset(request.path_params["instance_id"], seed, options)
+        observed = await reset_checked(pool, request.path_params["instance_id"], seed, options)
         return OrjsonResponse(observed_payload(observed))
+
+
+async def reset_checked(
+    pool: InstancePool, instance_id: str, seed: int | None, options: dict[str, Any] | None
+) -> Observation:
+    """``pool.reset``, with the options' types checked against the instance's env first."""
+    check_option_types(pool.env_classes[pool.get(instance_id).env_id], options)
+    return await pool.reset(instance_id, seed, options)
 
 
 MAX_BATCH = next(
@@ -238,7 +277,7 @@ async def batch_response(pool: InstancePool, requests: list[tuple[str, str]]) ->
 # that matches costs each step a few microseconds.
 
 
-async def step_instance(instance_id: str, body: StepRequest, pool: PoolDep) -> Response:
+async def step_instance(instance_id: InstanceId, body: StepRequest, pool: PoolDep) -> Response:
     step = await pool.step(instance_id, body.action)
     return OrjsonResponse(step_payload(step))
 
@@ -247,17 +286,20 @@ async def step_instances(body: BatchStepRequest, pool: PoolDep) -> Response:
     return await batch_response(pool, [(item.instance_id, item.action) for item in body.steps])
 
 
-async def reset_instance(instance_id: str, pool: PoolDep, body: ResetRequest | None = None) -> Response:
+async def reset_instance(
+    instance_id: InstanceId, pool: PoolDep, body: ResetRequest | None = None
+) -> Response:
     body = body or ResetRequest()
-    observed = await pool.reset(instance_id, body.seed, body.options)
+    observed = await reset_checked(pool, instance_id, body.seed, body.options)
     return OrjsonResponse(observed_payload(observed))
 
 
 router.add_api_route(
-    "/instances/{instance_id}/step",
+    f"{INSTANCE_PATH}/step",
     step_instance,
     methods=["POST"],
     response_model=StepResult,
+    responses=error_responses(404, 409, 502, descriptions={409: "The episode is over: reset the instance."}),
     route_class_override=StepRoute,
 )
 router.add_api_route(
@@ -268,10 +310,11 @@ router.add_api_route(
     route_class_override=BatchStepRoute,
 )
 router.add_api_route(
-    "/instances/{instance_id}/reset",
+    f"{INSTANCE_PATH}/reset",
     reset_instance,
     methods=["POST"],
     response_model=Observed,
+    responses={**error_responses(404, 502), **OPTIONS_REFUSED},
     route_class_override=ResetRoute,
 )
 
@@ -289,8 +332,21 @@ def env_list_json(env_classes: tuple[tuple[str, type[Env]], ...]) -> bytes:
     return orjson.dumps(envs.model_dump(mode="json"))
 
 
-@router.post("/instances", response_model=InstanceCreated, status_code=201)
+@router.post(
+    "/instances",
+    response_model=InstanceCreated,
+    status_code=201,
+    responses={
+        **error_responses(
+            404, 429, 502, descriptions={404: "No env of this id on this server.", 429: "The instance limit."}
+        ),
+        **OPTIONS_REFUSED,
+    },
+)
 async def create_instance(body: CreateInstance, pool: PoolDep) -> InstanceCreated:
+    env_class = pool.env_classes.get(body.env)
+    if env_class is not None:  # else the pool's 404
+        check_option_types(env_class, body.options)
     instance, first = await pool.create(body.env, body.seed, body.options)
     return InstanceCreated(instance_id=instance.instance_id, observation=first.observation, info=first.info)
 
@@ -301,17 +357,19 @@ async def list_instances(pool: PoolDep) -> InstanceList:
     return InstanceList(instances=states, count=len(states), limit=pool.max_instances)
 
 
-@router.get("/instances/{instance_id}", response_model=InstanceState)
-async def get_instance(instance_id: str, pool: PoolDep) -> InstanceState:
+@router.get(INSTANCE_PATH, response_model=InstanceState, responses=error_responses(404))
+async def get_instance(instance_id: InstanceId, pool: PoolDep) -> InstanceState:
     return instance_state(pool.get(instance_id))
 
 
-@router.get("/instances/{instance_id}/available_actions", response_model=list[str] | None)
-async def available_actions(instance_id: str, pool: PoolDep) -> list[str] | None:
+@router.get(
+    f"{INSTANCE_PATH}/available_actions", response_model=list[str] | None, responses=error_responses(404)
+)
+async def available_actions(instance_id: InstanceId, pool: PoolDep) -> list[str] | None:
     return pool.get(instance_id).runner.available_actions()
 
 
-@router.delete("/instances/{instance_id}", status_code=204, response_class=Response)
-async def close_instance(instance_id: str, pool: PoolDep) -> Response:
+@router.delete(INSTANCE_PATH, status_code=204, response_class=Response, responses=error_responses(404))
+async def close_instance(instance_id: InstanceId, pool: PoolDep) -> Response:
     await pool.close(instance_id)
     return Response(status_code=204)

@@ -17,31 +17,50 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TokenId = Annotated[int, Field(ge=0)]
+from services.json_types import BOOLEANS_ONLY, WHOLE_FLOATS
+
+TokenId = Annotated[int, Field(ge=0), WHOLE_FLOATS]
+Count = Annotated[int, Field(ge=1), WHOLE_FLOATS]
+TopK = Annotated[int, Field(ge=-1), WHOLE_FLOATS]
+SamplingSeed = Annotated[int, Field(ge=-(2**63), lt=2**63), WHOLE_FLOATS]
+NoStreaming = Annotated[Literal[False], BOOLEANS_ONLY]
+REQUEST = ConfigDict(extra="forbid", strict=True)
+"""Requests: unknown fields refused, and JSON types exact (no ``true`` for a token id, see
+:mod:`services.json_types`)."""
 
 
 class CompletionRequest(BaseModel):
-    """``POST /v1/completions``; unset sampling fields take vLLM's defaults (T=1, top-p 1, no top-k)."""
+    """``POST /v1/completions``; unset sampling fields take vLLM's defaults (T=1, top-p 1, no top-k).
 
-    model_config = ConfigDict(extra="forbid")
+    Some limits are documented here and checked by the engine, which answers 400 with vLLM's
+    codes: a non-empty prompt, ``logprobs`` 0, and (in each server's document) its ``n``,
+    vocabulary and context.
+    """
+
+    model_config = REQUEST
 
     model: str | None = None
-    prompt: list[TokenId] | str = Field(description="Token ids (the worker's own tokens) or text.")
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(default=16, description="None: vLLM's 16.")
+    prompt: list[TokenId] | str = Field(
+        description="Token ids (the worker's own tokens) or text.",
+        json_schema_extra={"minItems": 1, "minLength": 1},
+    )
+    max_tokens: Count | None = Field(default=16, description="None: vLLM's 16.")
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    top_k: TopK | None = None
+    seed: SamplingSeed | None = None
+    n: Count = 1
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    logprobs: Annotated[int, Field(ge=0)] | None = Field(
-        default=None, description="0: the sampled token's log-prob (the only count this engine serves)."
+    logprobs: Annotated[int, Field(ge=0), WHOLE_FLOATS] | None = Field(
+        default=None,
+        description="0: the sampled token's log-prob (the only count this engine serves).",
+        json_schema_extra={"maximum": 0},
     )
     return_token_ids: bool | None = None
     skip_special_tokens: bool = True
     add_special_tokens: bool = True
-    stream: Literal[False] | None = False
+    stream: NoStreaming | None = False
 
 
 class CompletionLogProbs(BaseModel):
@@ -84,14 +103,14 @@ class CompletionResponse(BaseModel):
 class TextContentPart(BaseModel):
     """One part of a message whose ``content`` is a list (OpenAI's multi-part form); text only."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextContentPart]
@@ -112,23 +131,23 @@ class ChatCompletionRequest(BaseModel):
     completions.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = Field(
         default=None, description="OpenAI's newer name of max_tokens; the smaller wins when both are set."
     )
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    top_k: TopK | None = None
+    seed: SamplingSeed | None = None
+    n: Count = 1
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stream: Literal[False] | None = False
+    stream: NoStreaming | None = False
 
 
 class ChatResponseMessage(BaseModel):
@@ -169,9 +188,12 @@ class ModelList(BaseModel):
 
 
 class CollectiveRpcRequest(BaseModel):
-    """vLLM passes ``method`` to every worker; this engine knows ``reload_weights`` only."""
+    """vLLM passes ``method`` to every worker; this engine knows ``reload_weights`` only (the
+    document says so; another method is a 400 naming the one it knows)."""
 
-    method: str
+    model_config = ConfigDict(strict=True)
+
+    method: str = Field(json_schema_extra={"enum": ["reload_weights"]})
     args: list[str] = Field(default_factory=list)
     kwargs: dict[str, str | None] = Field(default_factory=dict)
     timeout: float | None = None
@@ -190,6 +212,8 @@ class IsPaused(BaseModel):
 
 
 class WeightVersionUpdate(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     new_version: str
 
 

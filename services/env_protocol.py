@@ -10,14 +10,29 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.json_types import WHOLE_FLOATS, JsonInt
+
 JsonDict = dict[str, Any]
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
+Seed = Annotated[int, Field(ge=0, lt=2**63), WHOLE_FLOATS]
+INSTANCE_ID_PATTERN = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+"""Instance ids are UUIDs in canonical form, ``str(uuid.uuid4())``."""
 
 
 class WireModel(BaseModel):
     """Strict about unknown fields, so a misspelt key is a 422 rather than silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class RequestModel(WireModel):
+    """A request body: its JSON types exactly as its schema states them.
+
+    pydantic's lax mode would take ``true`` or ``"5"`` for an integer, a schema-invalid body
+    answered as if valid; strict mode refuses them, as a client generated from the document would
+    never send them (integers take :data:`services.json_types.WHOLE_FLOATS`, so ``5.0`` stays valid).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorBody(WireModel):
@@ -46,7 +61,7 @@ class EnvList(WireModel):
     envs: list[EnvSpec]
 
 
-class CreateInstance(WireModel):
+class CreateInstance(RequestModel):
     env: str = Field(description="An id from GET /envs.", examples=["game/frozenlake"])
     seed: Seed | None = Field(default=None, description="Same seed, same initial state. Random when omitted.")
     options: JsonDict | None = None
@@ -58,7 +73,7 @@ class InstanceCreated(WireModel):
     info: JsonDict
 
 
-class StepRequest(WireModel):
+class StepRequest(RequestModel):
     action: str
 
 
@@ -69,7 +84,7 @@ class StepResult(WireModel):
     info: JsonDict
 
 
-class ResetRequest(WireModel):
+class ResetRequest(RequestModel):
     seed: Seed | None = None
     options: JsonDict | None = Field(default=None, description="Omitted: keep the instance's options.")
 
@@ -100,12 +115,12 @@ class InstanceList(WireModel):
     limit: int
 
 
-class BatchStepItem(WireModel):
+class BatchStepItem(RequestModel):
     instance_id: str
     action: str
 
 
-class BatchStepRequest(WireModel):
+class BatchStepRequest(RequestModel):
     steps: list[BatchStepItem] = Field(max_length=4096)
 
 
@@ -132,20 +147,32 @@ class Health(WireModel):
 # Ids are our UUID strings where AgentGym has integers: its clients only echo the id they got.
 
 
-class AgentGymCreate(BaseModel):
-    """What AgentGym's TextCraft client sends to /create; its other clients send no body at all."""
+class AgentGymRequest(BaseModel):
+    """An AgentGym request body: unknown fields ignored, as AgentGym's servers do, but the types of
+    the known ones exact (strict), as the schema states them."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class AgentGymCreate(AgentGymRequest):
+    """What AgentGym's TextCraft client sends to /create; its other clients send no body at all.
+
+    A custom task (``commands``, ``goal``) is not supported: both are null in the schema, so a
+    client sees it, and a value names the alternative.
+    """
 
     minecraft_dir: str | None = Field(default=None, description="Ignored: our envs ship their own data.")
-    commands: str | None = Field(default=None, description="A custom task's recipes: not supported.")
-    goal: str | None = Field(default=None, description="A custom task's goal: not supported.")
+    commands: None = Field(default=None, description="A custom task's recipes: not supported.")
+    goal: None = Field(default=None, description="A custom task's goal: not supported.")
 
-    @model_validator(mode="after")
-    def no_custom_task(self) -> AgentGymCreate:
-        if self.commands is not None or self.goal is not None:
+    @model_validator(mode="before")
+    @classmethod
+    def no_custom_task(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (data.get("commands") is not None or data.get("goal") is not None):
             raise ValueError(
                 "custom tasks (commands, goal) are not supported; pick a task with /reset data_idx"
             )
-        return self
+        return data
 
 
 class AgentGymCreated(BaseModel):
@@ -157,17 +184,17 @@ class AgentGymCreated(BaseModel):
     done: bool = False
 
 
-class AgentGymStep(BaseModel):
+class AgentGymStep(AgentGymRequest):
     id: str
     action: str
 
 
-class AgentGymReset(BaseModel):
+class AgentGymReset(AgentGymRequest):
     id: str
     data_idx: Seed = Field(default=0, description="The task: our envs use it as the seed.")
 
 
-class AgentGymClose(BaseModel):
+class AgentGymClose(AgentGymRequest):
     id: str
 
 
@@ -198,23 +225,23 @@ class AgentGymResetResult(BaseModel):
 # -- AgentGym's env_idx dialect (its SearchQA server and client) ---------------------------------
 
 
-class AgentGymIndexedCreate(BaseModel):
+class AgentGymIndexedCreate(AgentGymRequest):
     """SearchQA's /create body: ``{"id": 0}``, a number it never uses again."""
 
-    id: int = 0
+    id: JsonInt = 0
 
 
-class AgentGymIndexedStep(BaseModel):
+class AgentGymIndexedStep(AgentGymRequest):
     env_idx: str
     action: str
 
 
-class AgentGymIndexedReset(BaseModel):
+class AgentGymIndexedReset(AgentGymRequest):
     env_idx: str
     id: Seed = Field(default=0, description="The task (AgentGym's data_idx).")
 
 
-class AgentGymIndexedClose(BaseModel):
+class AgentGymIndexedClose(AgentGymRequest):
     env_idx: str
 
 
@@ -230,7 +257,7 @@ class AgentGymIndexedStepResult(BaseModel):
 # --- AgentGym's WebShop dialect -------------------------------------------------------------
 
 
-class AgentGymShopReset(BaseModel):
+class AgentGymShopReset(AgentGymRequest):
     """WebShop's /reset body: the session is the goal's number (none: the instance's own goal)."""
 
     env_idx: str

@@ -25,14 +25,17 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import iter_route_contexts
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route, compile_path
 
-from services.env_protocol import ErrorResponse, Health
+from services.env_protocol import Health
 from services.errors import ApiError
+from services.openapi import complete_document, error_responses
 from services.settings import ServiceSettings
 
 Scope = MutableMapping[str, Any]
@@ -44,6 +47,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 log = logging.getLogger(__name__)
 
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
+ROUTING_NOT_FOUND = "Not Found"
+"""Starlette's message when no route matches the path."""
 STATUS_CODES = {
     400: "bad_request",
     401: "unauthorized",
@@ -314,7 +319,9 @@ class RequestMetrics:
             await self.app(scope, receive, recording_send)
         finally:
             route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            # The template as documented: /instances/{instance_id}, not its converter's spelling.
+            template = route.path_format if isinstance(route, Route) else getattr(route, "path", None)
+            template = template or "unmatched"
             key = (scope["method"], template, status)
             counter = self._counters.get(key)
             if counter is None:
@@ -406,18 +413,13 @@ def create_app(
         description=description,
         lifespan=_freezing_the_startup_heap(lifespan, GcPauses(registry)),
         default_response_class=OrjsonResponse,
-        responses={422: {"model": ErrorResponse}},
     )
     app.state.metrics_registry = registry
     app.state.settings = settings
     _install_error_handlers(app)
+    complete_document(app, authenticated=settings.api_token is not None, public_paths=UNAUTHENTICATED_PATHS)
 
-    @app.get(
-        "/health",
-        response_model=Health,
-        tags=["service"],
-        responses={503: {"model": ErrorResponse, "description": "The service cannot do its work now."}},
-    )
+    @app.get("/health", response_model=Health, tags=["service"], responses=error_responses(503))
     async def health(request: Request) -> Any:
         reason = unhealthy(request.app) if unhealthy is not None else None
         if reason is not None:
@@ -470,9 +472,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(422, "validation_error", _describe_validation(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = STATUS_CODES.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == ROUTING_NOT_FOUND:
+            # What was asked for, e.g. an instance path whose id cannot be one (ids are UUIDs).
+            message = f"nothing at {request.method} {request.url.path}"
+        allowed = allowed_methods(request) if exc.status_code == 405 else None
+        if allowed:  # else as raised (a mount, such as static files, knows its own)
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        return error_response(exc.status_code, code, message, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -480,6 +490,24 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(
             500, "internal_error", f"internal error ({type(exc).__name__}); see the server log"
         )
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path, for the ``Allow`` of a 405.
+
+    Starlette's 405 lists the methods of the first route whose path matched, but ``GET`` and
+    ``POST /instances`` are two routes: each would hide the other. The table of paths and
+    methods is built at the app's first 405 (routers nest; FastAPI walks them for us).
+    """
+    table = getattr(request.app.state, "route_methods", None)
+    if table is None:
+        table = request.app.state.route_methods = [
+            (compile_path(route.path)[0], frozenset(route.methods))
+            for route in iter_route_contexts(request.app.routes)
+            if route.methods and route.path
+        ]
+    path = request.scope["path"]
+    return sorted({method for pattern, methods in table if pattern.match(path) for method in methods})
 
 
 def _describe_validation(errors: Any) -> str:

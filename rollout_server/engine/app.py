@@ -18,6 +18,7 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from transformers import PreTrainedModel
 
+from rollout_server.engine.limits_doc import document_limits
 from rollout_server.engine.sampling import SequenceSampling
 from rollout_server.engine.scheduler import Engine, EngineFull, PauseMode, Sequence
 from rollout_server.engine.settings import EngineSettings
@@ -43,6 +44,7 @@ from services.engine_protocol import (
 )
 from services.errors import ApiError, bad_request, not_found, too_many
 from services.http_app import create_app
+from services.openapi import error_responses, refusals
 from services.policy import PolicyLoadError
 
 MIN_LOGPROB = -9999.0  # vLLM's floor, so -inf never reaches JSON
@@ -71,13 +73,30 @@ class EngineState:
 
 
 router = APIRouter()
+CONTEXT_TOO_LONG = "the prompt and max_tokens together exceed the model's context (max_model_len)"
+GENERATION_ERRORS = error_responses(
+    404,
+    429,
+    descriptions={404: "No model of this name here (GET /v1/models).", 429: "max_num_seqs in flight."},
+)
 
 
 def _state(request: Request) -> EngineState:
     return request.app.state.engine_state
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, tags=["generation"])
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    tags=["generation"],
+    responses={
+        **GENERATION_ERRORS,
+        **refusals(
+            400,
+            {"context_too_long": CONTEXT_TOO_LONG, "empty_prompt": "the text of the prompt makes no token"},
+        ),
+    },
+)
 async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
     """Sample ``n`` continuations of the prompt; token ids and processed log-probs included."""
     state = _state(request)
@@ -114,7 +133,21 @@ async def _generate(
     return sequences
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["generation"])
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    tags=["generation"],
+    responses={
+        **GENERATION_ERRORS,
+        **refusals(
+            400,
+            {
+                "context_too_long": CONTEXT_TOO_LONG,
+                "chat_template": "the model's chat template refuses these messages (their roles, order)",
+            },
+        ),
+    },
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
     """OpenAI's chat route: the messages under the model's chat template, sampled like completions.
 
@@ -267,7 +300,21 @@ async def is_paused(request: Request) -> IsPaused:
     return IsPaused(is_paused=_state(request).engine.paused)
 
 
-@router.post("/collective_rpc", response_model=CollectiveRpcResponse, tags=["admin"])
+@router.post(
+    "/collective_rpc",
+    response_model=CollectiveRpcResponse,
+    tags=["admin"],
+    responses={
+        **error_responses(403, descriptions={403: "weights_path is outside STARGYM_WEIGHTS_ROOTS."}),
+        **refusals(
+            400,
+            {
+                "bad_weights_path": "weights_path is not a directory",
+                "bad_checkpoint": "the directory holds no checkpoint of this model",
+            },
+        ),
+    },
+)
 async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> CollectiveRpcResponse:
     """``reload_weights``: copy the safetensors of ``kwargs.weights_path`` into the serving model.
 
@@ -374,4 +421,5 @@ def build_app(engine: Engine, model: PreTrainedModel, tokenizer: Any, settings: 
     )
     app.state.metrics_registry.register(EngineCollector(engine))
     app.include_router(router)
+    document_limits(app, settings, app.state.engine_state.vocab_size)
     return app

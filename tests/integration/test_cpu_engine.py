@@ -232,6 +232,9 @@ def test_requests_the_engine_cannot_serve_get_400(engine: RunningServer, body: d
         {"prompt": [1, 2], "temperature": -1},
         {"prompt": [1, 2], "top_p": 0},
         {"prompt": [1, 2], "stop_tokens": [3]},
+        {"prompt": [1, True]},  # JSON types exactly: pydantic's lax mode took these
+        {"prompt": [1, 2], "n": "2"},
+        {"prompt": [1, 2], "stream": 0},
     ],
 )
 def test_malformed_requests_get_422(engine: RunningServer, body: dict) -> None:

@@ -286,6 +286,8 @@ def test_unknown_instance_is_404(client, method: str, path: str, body, instance_
         ("/instances", b'{"env": "game/bandit", "options": [1]}'),
         ("/instances", b'{"env": "game/bandit", "seed": -1}'),  # negative seed
         ("/instances", b'{"env": "game/bandit", "seed": 9223372036854775808}'),  # 2**63
+        ("/instances", b'{"env": "game/bandit", "seed": true}'),  # JSON types as the schema has them:
+        ("/instances", b'{"env": "game/bandit", "seed": "5"}'),  # pydantic's lax mode took these two
         ("/instances/{id}/step", b"{}"),
         ("/instances/{id}/step", b'{"action": 3}'),
         ("/instances/{id}/step", b'{"action": "Dragon", "extra": 1}'),
@@ -294,6 +296,7 @@ def test_unknown_instance_is_404(client, method: str, path: str, body, instance_
         ("/instances/{id}/reset", b'{"seed": "x"}'),
         ("/instances/{id}/reset", b'{"sed": 1}'),
         ("/instances/{id}/reset", b'{"options": "x"}'),
+        ("/instances/{id}/reset", b'{"seed": false}'),
         ("/instances/step", b'{"steps": [{"instance_id": "x"}]}'),
         ("/instances/step", b'{"steps": {}}'),
         ("/instances/step", b"[]"),
@@ -321,6 +324,9 @@ def test_bad_bodies_are_422(client: httpx.Client, path: str, content: bytes) -> 
         {"safe_payout": "lots"},
         {"max_actions_per_turn": 0},  # the host's option
         {"max_actions_per_turn": "two"},
+        {"risky_probability": False},  # JSON types as the env's schema has them (lax mode took these)
+        {"safe_payout": "0.5"},
+        {"max_actions_per_turn": True},
     ],
 )
 def test_invalid_options_are_422(client: httpx.Client, options: dict) -> None:
@@ -330,6 +336,36 @@ def test_invalid_options_are_422(client: httpx.Client, options: dict) -> None:
     )
     assert BANDIT in error["message"]
     assert client.get("/instances").json()["count"] == before
+
+
+def test_whole_numbers_written_as_floats_are_integers(client: httpx.Client) -> None:
+    """JSON Schema's integer includes 4.0: a seed or an integer option may be written so."""
+    created = client.post(
+        "/instances", json={"env": BANDIT, "seed": 4.0, "options": {"max_actions_per_turn": 2.0}}
+    )
+    assert created.status_code == 201, created.text
+    instance_id = created.json()["instance_id"]
+    assert client.get(f"/instances/{instance_id}").json()["seed"] == 4
+    assert client.post(f"/instances/{instance_id}/reset", json={"seed": 6.0}).status_code == 200
+    assert client.get(f"/instances/{instance_id}").json()["seed"] == 6
+    client.delete(f"/instances/{instance_id}")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("OPTIONS", "/instances", "GET, POST"),  # two routes: Starlette named the first one's methods
+        ("PUT", f"/instances/{MISSING}", "DELETE, GET"),
+        ("GET", "/instances/step", "POST"),  # not an instance id: it was "instance 'step' does not exist"
+        ("DELETE", "/instances/step", "POST"),
+    ],
+)
+def test_a_405_allows_every_method_of_its_path(
+    client: httpx.Client, method: str, path: str, allowed: str
+) -> None:
+    response = client.request(method, path)
+    assert_error(response, 405, "method_not_allowed")
+    assert response.headers["allow"] == allowed
 
 
 def test_step_after_done_is_409(client: httpx.Client) -> None:

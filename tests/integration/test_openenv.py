@@ -132,8 +132,9 @@ def test_the_http_side_of_openenv(game_server: RunningServer) -> None:
         assert metadata["name"] == "game/sokoban" and "box" in metadata["description"].lower()
         everything = http.get("/openenv/metadata").json()
         assert "game/frozenlake" in everything["description"]
-        missing = http.get("/openenv/game/chess/schema")
-        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        for route in ("schema", "health"):  # an env's health too: it once answered for any name
+            missing = http.get(f"/openenv/game/chess/{route}")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,16 @@ from fastapi.staticfiles import StaticFiles
 
 from services.errors import ApiError, not_found
 from services.http_app import OrjsonResponse
+from services.openapi import error_responses, refusals
 from trainer.dashboard.runs import DEFAULT_MAX_POINTS, RunsDirectory
 from trainer.dashboard.samples import SampleFilter, summary
 from trainer.dashboard.tokens import TokenTexts
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_KEYS = 200
+NO_RUN = error_responses(
+    404, descriptions={404: "No run of this name in the runs directory (GET /api/runs)."}
+)
 
 
 def plotly_bundle() -> Path:
@@ -69,12 +73,16 @@ def install_dashboard(
         with lock:
             return {"runs": runs.summaries(), "live_run": runs.live_run}
 
-    @app.get("/api/runs/{run}/config", tags=["dashboard"])
+    @app.get("/api/runs/{run}/config", tags=["dashboard"], responses=NO_RUN)
     def run_config(run: str) -> dict[str, Any]:
         with lock:
             return {"run": run, "yaml": runs.reader(run).config_text()}
 
-    @app.get("/api/runs/{run}/metrics", tags=["dashboard"])
+    @app.get(
+        "/api/runs/{run}/metrics",
+        tags=["dashboard"],
+        responses={**NO_RUN, **refusals(400, {"too_many_keys": f"keys has more than {MAX_KEYS} patterns"})},
+    )
     def run_metrics(
         run: str,
         keys: Annotated[str, Query(description="Comma-separated keys; '*' matches any characters.")] = "*",
@@ -88,7 +96,7 @@ def install_dashboard(
         (a resumed run): load again without ``after``."""
         patterns = [pattern.strip() for pattern in keys.split(",") if pattern.strip()]
         if len(patterns) > MAX_KEYS:
-            raise ApiError(400, "bad_request", f"at most {MAX_KEYS} key patterns, got {len(patterns)}")
+            raise ApiError(400, "too_many_keys", f"at most {MAX_KEYS} key patterns, got {len(patterns)}")
         with lock:
             metrics = runs.reader(run).metrics
             metrics.refresh()
@@ -100,13 +108,13 @@ def install_dashboard(
                 "series": metrics.series(metrics.matching(patterns), max_points, after),
             }
 
-    @app.get("/api/runs/{run}/events", tags=["dashboard"])
+    @app.get("/api/runs/{run}/events", tags=["dashboard"], responses=NO_RUN)
     def run_events(run: str) -> dict[str, Any]:
         """Horizon stage starts and echo-trap warnings."""
         with lock:
             return runs.reader(run).events()
 
-    @app.get("/api/runs/{run}/trajectories", tags=["dashboard"])
+    @app.get("/api/runs/{run}/trajectories", tags=["dashboard"], responses=NO_RUN)
     def run_trajectories(
         run: str,
         env: str | None = None,
@@ -138,7 +146,11 @@ def install_dashboard(
             total, found = samples.query(where, limit)
             return {"run": run, "envs": samples.envs, "total": total, "trajectories": found}
 
-    @app.get("/api/runs/{run}/trajectories/{job_id}", tags=["dashboard"])
+    @app.get(
+        "/api/runs/{run}/trajectories/{job_id}",
+        tags=["dashboard"],
+        responses=error_responses(404, descriptions={404: "No run of this name, or no such episode in it."}),
+    )
     def run_trajectory(run: str, job_id: str, download: bool = False) -> Any:
         """One episode turn by turn, and its tokens as the trainer saw them."""
         with lock:
@@ -169,7 +181,11 @@ def install_dashboard(
             body, headers={"Content-Disposition": f'attachment; filename="trajectory-{filename}.json"'}
         )
 
-    @app.get("/api/runs/{run}/groups/{group_id}", tags=["dashboard"])
+    @app.get(
+        "/api/runs/{run}/groups/{group_id}",
+        tags=["dashboard"],
+        responses=error_responses(404, descriptions={404: "No run of this name, or no such group in it."}),
+    )
     def run_group(run: str, group_id: str) -> dict[str, Any]:
         """A group's episodes side by side: what StarPO-S kept or filtered."""
         with lock:
