@@ -17,6 +17,7 @@ from env_server.options_schema import document_env_options
 from env_server.pool import InstancePool
 from env_server.routes import router
 from env_server.sandbox import SandboxHost, sandboxed_ids
+from env_server.step_fast_path import StepFastPath
 from services.http_app import create_app
 from services.settings import EnvServerSettings
 
@@ -59,6 +60,7 @@ def build_app(env_classes: dict[str, type[Env]], settings: EnvServerSettings) ->
         description="Create, step and close environment instances. AgentGym-compatible routes under "
         "/agentgym/, OpenEnv WebSocket sessions under /openenv/.",
         lifespan=lifespan,
+        inner_middleware=[StepFastPath],
     )
     app.state.pool = pool
     document_env_options(app, env_classes)

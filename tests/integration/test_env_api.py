@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from conftest import RunningServer, free_port, start_server, stop_server
 
@@ -935,6 +936,43 @@ def test_metrics_count_requests(client: httpx.Client) -> None:
     assert metric(text, "http_request_duration_seconds_count", route="/instances") >= 3
     for instance_id in ids:
         client.delete(f"/instances/{instance_id}")
+
+
+def test_fast_and_routed_steps_answer_and_count_alike(client: httpx.Client) -> None:
+    """A plain step is answered before routing (env_server/step_fast_path.py), one whose content
+    type is another JSON type (``+json``, which FastAPI reads as JSON) by the route: the same
+    answers, statuses and errors, and every one counted under the step route's template."""
+    template = "/instances/{instance_id}/step"
+
+    def steps_counted(status: str) -> float:
+        text = client.get("/metrics").text
+        try:
+            return metric(text, "http_requests_total", method="POST", route=template, status=status)
+        except AssertionError:
+            return 0.0
+
+    fast = create(client, seed=3)["instance_id"]
+    routed = create(client, seed=3)["instance_id"]
+    before = {status: steps_counted(status) for status in ("200", "404", "409")}
+    answers = []
+    for instance_id, headers in (
+        (fast, {"content-type": "application/json"}),
+        (routed, {"content-type": "application/vnd.api+json"}),
+    ):
+        pair = []
+        for action in ("nonsense", "Dragon", "Dragon"):  # refused, the episode's end, then 409
+            body = orjson.dumps({"action": action})
+            pair.append(client.post(f"/instances/{instance_id}/step", content=body, headers=headers))
+        answers.append(pair)
+    for fast_answer, routed_answer in zip(*answers, strict=True):
+        assert fast_answer.status_code == routed_answer.status_code
+        assert fast_answer.text.replace(fast, "<id>") == routed_answer.text.replace(routed, "<id>")
+        assert fast_answer.headers["content-type"] == routed_answer.headers["content-type"]
+    assert [answer.status_code for answer in answers[0]] == [200, 200, 409]
+    assert_error(client.post(f"/instances/{MISSING}/step", json={"action": "Dragon"}), 404, "not_found")
+    assert steps_counted("200") == before["200"] + 4
+    assert steps_counted("409") == before["409"] + 2
+    assert steps_counted("404") == before["404"] + 1
 
 
 def test_docs_and_openapi(client: httpx.Client) -> None:
