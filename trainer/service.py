@@ -69,6 +69,7 @@ from trainer.dashboard.samples import TrajectoryRecorder
 from trainer.dashboard.system import SystemProbe
 from trainer.dashboard.tokens import TokenTexts
 from trainer.evaluation import EvalRound
+from trainer.heap import release_free_heap
 from trainer.metrics import MetricsLogger, register_prometheus
 from trainer.ranks import DEFAULT_TIMEOUT_S, Leader, RankInfo, follow, split_groups
 
@@ -175,9 +176,13 @@ def follow_leader(config: TrainConfig, device: torch.device) -> None:
         updater.checkpoint_parts()
         updater.gathered_policy()
 
+    def update(share: list[Any]) -> None:
+        updater.update(collate(share, state.pad_token_id))
+        release_free_heap()
+
     follow(
         device,
-        update=lambda share: updater.update(collate(share, state.pad_token_id)),
+        update=update,
         publish=updater.gathered_policy,
         checkpoint=checkpoint,
     )
@@ -524,7 +529,9 @@ class Trainer:
         self.leader.command("batch")
         share = self.leader.scatter(shares)
         self._trained_share = share
-        return self.updater.update(collate(share, self.pad_token_id))
+        metrics = self.updater.update(collate(share, self.pad_token_id))
+        release_free_heap()  # the update's tensors are freed now (trainer/heap.py)
+        return metrics
 
     def _record_batch(self, batch: Batch) -> None:
         """Hand the batch to the dashboard's trajectory log: kept groups with the advantages this
