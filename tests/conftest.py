@@ -30,6 +30,7 @@ __all__ = [
     "eventually",
     "free_port",
     "short_run_overrides",
+    "start_engine",
     "start_family_server",
     "start_server",
     "step_instance",
@@ -46,6 +47,16 @@ def start_server(
 ) -> RunningServer:
     """Start ``stargym ARGS`` from the repository root, its log in ``tmp_path``; wait for /health."""
     return start_service(name, args, port, tmp_path, env=env, cwd=REPO_ROOT)
+
+
+def start_engine(
+    model: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None, name: str = "engine"
+) -> RunningServer:
+    """``stargym engine serve`` (the CPU engine) on ``model`` at a free port; ``extra``: its flags."""
+    port = free_port()
+    return start_server(
+        ["engine", "serve", "--model", str(model), "--port", str(port), *extra], port, tmp_path, env, name
+    )
 
 
 def create_instance(client: httpx.Client, env: str, seed: int, options: dict | None = None) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from conftest import RunningServer, eventually, free_port, start_server, stop_server, wait_until
+from conftest import RunningServer, eventually, free_port, start_engine, start_server, stop_server, wait_until
 
 from deploy.model_init import init_tiny_model
 from deploy.redis_local import start_redis_server
@@ -42,9 +42,7 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    port = free_port()
-    args = ["engine", "serve", "--model", str(tiny_policy), "--port", str(port), "--threads", "1"]
-    server = start_server(args, port, tmp_path_factory.mktemp("system-engine"), name="engine")
+    server = start_engine(tiny_policy, tmp_path_factory.mktemp("system-engine"), "--threads", "1")
     yield server
     stop_server(server.process)
 

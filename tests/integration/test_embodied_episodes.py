@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import RunningServer, free_port, start_engine, start_server, stop_server
 from transformers import AutoTokenizer
 
 from deploy.model_init import init_tiny_model
@@ -45,9 +45,7 @@ def embodied_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
 
 @pytest.fixture(scope="module")
 def engine_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    port = free_port()
-    args = ["engine", "serve", "--model", str(model_dir), "--port", str(port)]
-    server = start_server(args, port, tmp_path_factory.mktemp("embodied-engine"), name="engine")
+    server = start_engine(model_dir, tmp_path_factory.mktemp("embodied-engine"))
     yield server
     stop_server(server.process)
 

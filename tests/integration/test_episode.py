@@ -20,7 +20,7 @@ import pytest
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from conftest import RunningServer, free_port, start_server, stop_server
+from conftest import RunningServer, free_port, start_engine, stop_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy.model_init import init_tiny_model
@@ -60,15 +60,9 @@ def reference_model(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def serve(model: Path, tmp_path: Path, *extra: str) -> RunningServer:
-    port = free_port()
-    args = ["engine", "serve", "--model", str(model), "--port", str(port), *extra]
-    return start_server(args, port, tmp_path, name="engine")
-
-
 @pytest.fixture(scope="module")
 def engine_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    server = serve(model_dir, tmp_path_factory.mktemp("episode-engine"))
+    server = start_engine(model_dir, tmp_path_factory.mktemp("episode-engine"))
     yield server
     stop_server(server.process)
 

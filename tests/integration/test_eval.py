@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from conftest import REPO_ROOT, STARGYM, RunningServer, free_port, start_server, stop_server
+from conftest import REPO_ROOT, STARGYM, RunningServer, free_port, start_engine, stop_server
 from transformers import AutoTokenizer
 
 from deploy.model_init import init_tiny_model
@@ -49,14 +49,12 @@ def tokenizer(model_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def engine_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """Our CPU engine behind a bearer token, as a hosted OpenAI-compatible API would be."""
-    port = free_port()
-    args = ["engine", "serve", "--model", str(model_dir), "--port", str(port)]
-    server = start_server(
-        [*args, "--served-model-name", SERVED_NAME],
-        port,
+    server = start_engine(
+        model_dir,
         tmp_path_factory.mktemp("eval-engine"),
+        "--served-model-name",
+        SERVED_NAME,
         env={"STARGYM_API_TOKEN": API_TOKEN},
-        name="engine",
     )
     yield server
     stop_server(server.process)

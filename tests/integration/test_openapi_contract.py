@@ -32,6 +32,7 @@ from conftest import (
     RunningServer,
     free_port,
     short_run_overrides,
+    start_engine,
     start_server,
     stop_server,
 )
@@ -105,10 +106,8 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(tiny_policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """The CPU engine with a short context and two sequences: no generation takes long."""
-    port = free_port()
-    args = ["engine", "serve", "--model", str(tiny_policy), "--port", str(port), "--threads", "1"]
-    args += ["--max-num-seqs", "2", "--max-model-len", "96", "--served-model-name", "tiny"]
-    server = start_server(args, port, tmp_path_factory.mktemp("contract-engine"), name="engine")
+    flags = ["--threads", "1", "--max-num-seqs", "2", "--max-model-len", "96", "--served-model-name", "tiny"]
+    server = start_engine(tiny_policy, tmp_path_factory.mktemp("contract-engine"), *flags)
     yield server
     stop_server(server.process)
 

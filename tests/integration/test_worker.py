@@ -24,6 +24,7 @@ from conftest import (
     STARGYM,
     RunningServer,
     free_port,
+    start_engine,
     start_family_server,
     start_server,
     stop_server,
@@ -60,18 +61,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return first, second
 
 
-def serve_engine(model: Path, tmp_path: Path, *extra: str) -> RunningServer:
-    port = free_port()
-    args = ["engine", "serve", "--model", str(model), "--port", str(port), "--threads", "1", *extra]
-    return start_server(args, port, tmp_path, name="engine")
-
-
 @pytest.fixture(scope="module")
 def engine(
     checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     """Two sequences at most, so that eight concurrent episodes meet 429s and must back off."""
-    server = serve_engine(checkpoints[0], tmp_path_factory.mktemp("engine"), "--max-num-seqs", "2")
+    server = start_engine(
+        checkpoints[0], tmp_path_factory.mktemp("engine"), "--threads", "1", "--max-num-seqs", "2"
+    )
     yield server
     stop_server(server.process)
 
@@ -385,7 +382,7 @@ def test_policy_update_reloads_the_engines_and_tags_later_trajectories(
     tmp_path: Path,
 ) -> None:
     """Two engines of its own (their weights change); the update lands while episodes run."""
-    engines = [serve_engine(checkpoints[0], tmp_path) for _ in range(2)]
+    engines = [start_engine(checkpoints[0], tmp_path, "--threads", "1") for _ in range(2)]
     urls = [server.url for server in engines]
     try:
         for url in urls:
