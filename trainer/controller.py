@@ -230,6 +230,7 @@ class Controller:
         self._error: BaseException | None = None
         self._reason_logs = 0
         self._newest_stale_version: int | None = None  # of the groups dropped as stale
+        self._last_untrainable: str | None = None  # why the last group dropped as untrainable was
         self._last_delivery = time.monotonic()
         self._last_stall_check = 0.0
         self._closed = False
@@ -559,6 +560,7 @@ class Controller:
         reasons = [reason for t in group.trajectories if (reason := untrainable_reason(t)) is not None]
         if reasons:
             self.counters["dropped_untrainable"] += len(group.entries)
+            self._last_untrainable = reasons[0]
             self._drop(group, "untrainable", f"{len(reasons)} untrainable: {reasons[0]}")
             return
         self._ready.append(group)
@@ -608,8 +610,9 @@ class Controller:
                 fresh.append(group)
         self._ready = fresh
 
-    def _stall_reason(self, waited_s: float, stale: int) -> str:
-        """Why no batch came for ``waited_s``: the words a user needs, not only counters."""
+    def _stall_reason(self, waited_s: float, stale: int, untrainable: int) -> str:
+        """Why no batch came for ``waited_s``: the words a user needs, not only counters. ``stale``
+        and ``untrainable``: trajectories dropped as such while it waited."""
         waiting = f"no update batch for {waited_s:.0f} s ({len(self._ready)}/{self.config.candidate_groups} groups ready)"
         if stale:
             return (
@@ -617,12 +620,18 @@ class Controller:
                 f"v{self._newest_stale_version} while the policy is v{self.policy_version}. The engines are "
                 "not serving new policies: see the rollout workers' logs (a failing policy reload?)"
             )
+        if untrainable:
+            return (
+                f"{waiting}: {untrainable} trajectories came back untrainable meanwhile (failed episodes), "
+                f"the last because: {self._last_untrainable}. See the rollout workers' and env servers' logs"
+            )
         return f"{waiting}: {self._outstanding_jobs} jobs issued and not back; are rollout workers running on this run?"
 
     async def next_batch(self, timeout_s: float | None = None) -> Batch:
         """Wait for enough complete, fresh groups and cut one update batch (for step ``step + 1``)."""
         started = warned = time.monotonic()
         stale_before = self.counters["dropped_stale"]
+        untrainable_before = self.counters["dropped_untrainable"]
         needed = self.config.candidate_groups
         while True:
             if self._error is not None:
@@ -633,7 +642,11 @@ class Controller:
             if time.monotonic() - warned >= STALL_WARNING_S:
                 warned = time.monotonic()
                 logger.warning(
-                    self._stall_reason(warned - started, self.counters["dropped_stale"] - stale_before)
+                    self._stall_reason(
+                        warned - started,
+                        self.counters["dropped_stale"] - stale_before,
+                        self.counters["dropped_untrainable"] - untrainable_before,
+                    )
                 )
             self._changed.clear()
             remaining = None if timeout_s is None else timeout_s - (time.monotonic() - started)

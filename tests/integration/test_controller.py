@@ -419,5 +419,18 @@ async def test_a_stalled_batch_says_why_in_the_log(
             "4 trajectories dropped as stale" in stalls[0] and "under v0 while the policy is v3" in stalls[0]
         )
         assert "failing policy reload" in stalls[0]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="trainer.controller"):
+            # Every episode fails (an env server that errors on every step): the trainer says so.
+            jobs = await issued_jobs(client, 100)
+            waiting = asyncio.create_task(controller.next_batch(timeout_s=1.5))  # counts from now
+            for job in jobs:
+                await trajectories.publish(trajectory(job, 0.0, version=3, error="env error: step -> 500"))
+            with pytest.raises(TimeoutError):
+                await waiting
+        stalls = [r.message for r in caplog.records if r.message.startswith("no update batch")]
+        assert stalls, caplog.text
+        assert f"{len(jobs)} trajectories came back untrainable" in stalls[-1], stalls
+        assert "the last because: the episode failed: env error: step -> 500" in stalls[-1], stalls
     finally:
         await controller.close()
