@@ -63,6 +63,9 @@ from services.rollout_protocol import (  # noqa: E402
 
 ENV = "game/frozenlake"
 TARGET_UTILISATION = 0.85
+TARGET_SPEEDUP = 1.8  # episodes/s of batched prefill over the engine before it (issue 15)
+ONE_PER_PASS = "one prompt per prefill pass"
+BATCHED = "batched prefill"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -360,7 +363,7 @@ def bench_direct(
 
 
 PROFILED = {
-    "engine": ("Engine._prefill", "Engine._decode_step", "Engine._sample", "RequestMetrics.__call__"),
+    "engine": ("Engine._prefill_pass", "Engine._decode_step", "Engine._sample", "RequestMetrics.__call__"),
     "worker": (
         "run_episode",
         "EnvClient._request",
@@ -474,9 +477,18 @@ def render(results: dict[str, Any]) -> None:
             f"{cpu['engine']:.2f} / {episodes_cpu:.2f} / {cpu['env_server']:.2f}",
         )
     Console(width=170).print(table)
+    if results["batched_over_one_prefill_per_pass"] is not None:
+        print(f"episodes/s, batched prefill over one prompt per prefill pass: "
+              f"{results['batched_over_one_prefill_per_pass']:.2f}x (target {TARGET_SPEEDUP}x)")  # fmt: skip
     target = results["target"]
     print(f"engine utilisation (worker path) {target['measured']:.0%}, target {target['utilisation']:.0%}: "
           f"{'met' if target['met'] else 'NOT met'}")  # fmt: skip
+
+
+def engine_paths(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The engines measured in turn: the one before batched prefill (the baseline), then today's."""
+    paths = [(ONE_PER_PASS, 0)] if args.baseline else []
+    return [*paths, (BATCHED, args.prefill_tokens)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -490,6 +502,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=5.0, help="Unmeasured seconds before each window.")
     parser.add_argument("--threads", type=int, default=1, help="The engine's torch threads.")
     parser.add_argument("--no-direct", dest="direct", action="store_false", help="Skip the direct path.")
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=2048,
+        help="The batched engine's padded tokens per prefill pass.",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="Skip the engine that prefills one prompt per pass (--prefill-tokens 0), the side-by-side baseline.",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the engine and the worker in the worker window."
     )
@@ -509,21 +533,29 @@ def main() -> int:
         assert local_redis.process is not None
         db = stack.enter_context(redis.Redis.from_url(local_redis.url))
         env_server = stack.enter_context(service("env", ["env", "serve", "game"], log_dir))
-        engine = stack.enter_context(
-            service("engine", ["engine", "serve", "--model", str(model_dir), "--threads", str(args.threads),
-                               "--max-num-seqs", str(max(64, args.concurrency))], log_dir)
-        )  # fmt: skip
         paths = {}
-        print(f"worker path: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
-        paths["worker"] = bench_worker(args, db, local_redis.url, engine, env_server, local_redis.process.pid,
-                                       model_dir, log_dir)  # fmt: skip
-        if args.direct:
-            print(f"direct path: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
-            paths["direct"] = bench_direct(args, db, engine, env_server, local_redis.process.pid, model_dir)
+        for label, prefill_tokens in engine_paths(args):
+            engine_args = ["engine", "serve", "--model", str(model_dir), "--threads", str(args.threads),
+                           "--max-num-seqs", str(max(64, args.concurrency)), "--prefill-tokens", str(prefill_tokens)]  # fmt: skip
+            with service("engine", engine_args, log_dir) as engine:
+                print(f"worker path, {label}: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
+                paths[f"worker, {label}"] = bench_worker(
+                    args, db, local_redis.url, engine, env_server, local_redis.process.pid, model_dir, log_dir
+                )
+                if args.direct and prefill_tokens:
+                    print(f"direct path: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
+                    paths["direct"] = bench_direct(
+                        args, db, engine, env_server, local_redis.process.pid, model_dir
+                    )
     import torch
     import transformers
 
-    measured = paths["worker"]["engine_utilisation"]
+    measured = paths[f"worker, {BATCHED}"]["engine_utilisation"]
+    speedup = None
+    if f"worker, {ONE_PER_PASS}" in paths:
+        speedup = (
+            paths[f"worker, {BATCHED}"]["episodes_per_s"] / paths[f"worker, {ONE_PER_PASS}"]["episodes_per_s"]
+        )
     results = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -544,6 +576,8 @@ def main() -> int:
         "warmup_seconds": args.warmup,
         "runtime_s": time.perf_counter() - started,
         "paths": paths,
+        "prefill_tokens": args.prefill_tokens,
+        "batched_over_one_prefill_per_pass": speedup,
         "target": {"utilisation": TARGET_UTILISATION, "measured": measured, "met": measured >= TARGET_UTILISATION},
     }  # fmt: skip
     render(results)

@@ -386,6 +386,7 @@ class EngineCollector:
                 stats.reused_prompt_tokens,
             ),
             "engine_decode_steps": ("Batched decode forward passes", stats.steps),
+            "engine_prefill_passes": ("Batched prefill forward passes", stats.prefill_passes),
             "engine_busy_seconds": ("Seconds the engine thread spent computing", stats.busy_seconds),
             "engine_finished_sequences": ("Sequences finished", stats.finished),
         }

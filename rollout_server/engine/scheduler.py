@@ -1,15 +1,17 @@
 """Continuous batching: every running sequence advances one token per shared forward pass.
 
 One dedicated thread owns the model and the batch cache and runs the loop: run queued commands
-(weight reload, pause), prefill newly admitted sequences, then one decode step for the whole
-batch, then release the sequences that finished. A request that arrives mid-step joins at the
+(weight reload, pause), one prefill pass for the sequences waiting to join, then one decode step
+for the whole batch, then release the sequences that finished. A request that arrives mid-step joins at the
 next step; a finished sequence leaves at once, leaving its KV to the prefix cache for the next
 turn of its episode. torch releases the GIL inside its kernels, so the asyncio event loop that
 serves HTTP stays responsive while the thread computes.
 
-Each prefill is a forward pass of its own (after the cached part of its prompt): batching
-prefills measured no faster on CPU (45 ms for 32 prompts of ~120 tokens, 39 ms one by one),
-and alone its numbers are those of a solo run.
+A prefill pass takes the waiting prompts (after the cached part of each) together, up to
+``prefill_tokens`` padded tokens, cutting a longer prompt into chunks over several passes
+(:mod:`rollout_server.engine.prefill`), so a long prompt delays running decodes by one pass at
+most. ``prefill_tokens=None`` is the engine before batched prefill: each prompt whole, in a pass
+of its own (``bench/rollout.py`` runs both side by side).
 
 Bounded memory: at most ``max_num_seqs`` sequences are admitted (running, queued, or held by a
 pause), and each is at most ``max_model_len`` tokens; past either the caller gets an error
@@ -30,9 +32,10 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from rollout_server.engine.kv_cache import BatchKVCache
+from rollout_server.engine.kv_cache import BatchKVCache, LayerKV
+from rollout_server.engine.prefill import Chunk, forward_chunks, plan_chunks
 from rollout_server.engine.prefix_cache import PrefixCache
 from rollout_server.engine.sampling import SequenceSampling, sample
 from services.policy import load_weights_into
@@ -76,6 +79,8 @@ class Sequence:
     done: Future[Sequence] = field(default_factory=Future)
     uniforms: list[float] = field(init=False)
     weights_generation: int = field(default=0, init=False)  # weights its KV was computed with
+    prefilled: int = field(default=0, init=False)  # prompt tokens whose KV is in prefill_kv
+    prefill_kv: list[LayerKV] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(63)
@@ -88,7 +93,8 @@ class EngineStats:
     """Counters for /metrics and benchmarks, updated by the engine thread only."""
 
     steps: int = 0
-    prefills: int = 0
+    prefills: int = 0  # sequences whose prompt was prefilled
+    prefill_passes: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
     busy_seconds: float = 0.0
@@ -108,12 +114,14 @@ class Engine:
         eos_token_id: int | None,
         extra_stop_token_ids: frozenset[int] = frozenset(),
         prefix_cache_bytes: int = 0,
+        prefill_tokens: int | None = 2048,
     ) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.extra_stop_token_ids = extra_stop_token_ids
+        self.prefill_tokens = prefill_tokens
         self.stats = EngineStats()
         self._cache = BatchKVCache(
             model.config.get_text_config().num_hidden_layers, max_num_seqs, max_model_len
@@ -121,7 +129,8 @@ class Engine:
         self._prefixes = PrefixCache(prefix_cache_bytes)
         self._weights_generation = 0
         self._running: list[Sequence] = []  # row i of the cache is self._running[i]
-        self._waiting: deque[Sequence] = deque()  # admitted, to be prefilled
+        self._waiting: deque[Sequence] = deque()  # admitted, not yet looked up in the prefix cache
+        self._prefilling: deque[Sequence] = deque()  # in arrival order, part of the prompt to prefill
         self._held: deque[Sequence] = deque()  # arrived while paused
         self._aborts: list[Sequence] = []
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
@@ -240,8 +249,8 @@ class Engine:
             or self._commands
             or self._aborts
             or self._waiting
-            or (self._running and not self._frozen)
-            or (self._drain_waiters and not self._running)
+            or ((self._running or self._prefilling) and not self._frozen)
+            or (self._drain_waiters and not self._running and not self._prefilling)
         )
 
     @staticmethod
@@ -257,36 +266,63 @@ class Engine:
             self._abort(sequence)
         for sequence in admitted:
             if sequence.finish_reason is None:
-                self._prefill(sequence)
-        if self._running and not self._frozen:
+                self._start_prefill(sequence)
+        if self._frozen:
+            return
+        if self.prefill_tokens is None:
+            while self._prefilling:
+                self._prefill_pass()
+        elif self._prefilling:
+            self._prefill_pass()
+        if self._running:
             self._decode_step()
 
-    def _prefill(self, sequence: Sequence) -> None:
-        """Forward the prompt alone (after any cached prefix), sample the first token, join the batch."""
-        reused, prefix_kv = self._prefixes.lookup(sequence.prompt)
-        cache = DynamicCache()
-        for layer, (keys, values) in enumerate(prefix_kv):
-            cache.update(keys, values, layer)
-        length = len(sequence.prompt)
-        output = self.model(
-            input_ids=torch.tensor([sequence.prompt[reused:]], dtype=torch.long),
-            position_ids=torch.arange(reused, length).unsqueeze(0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        sequence.weights_generation = self._weights_generation
-        self.stats.prefills += 1
-        self.stats.prompt_tokens += length
-        self.stats.reused_prompt_tokens += reused
-        self._sample([sequence], output.logits[:, -1])
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        if self._finished(sequence):
-            self._prefixes.insert(sequence.prompt, kv)
-            self._release(sequence)
+    def _start_prefill(self, sequence: Sequence) -> None:
+        """Begin from the longest cached prefix of the prompt; the rest waits for a prefill pass."""
+        sequence.prefilled, sequence.prefill_kv = self._prefixes.lookup(sequence.prompt)
+        self.stats.prompt_tokens += len(sequence.prompt)
+        self.stats.reused_prompt_tokens += sequence.prefilled
+        self._prefilling.append(sequence)
+
+    def _prefill_pass(self) -> None:
+        """One forward pass over the next chunk of waiting prompts; those complete sample and join."""
+        if self.prefill_tokens is None:
+            sequence = self._prefilling[0]
+            sizes = [len(sequence.prompt) - sequence.prefilled]
+        else:
+            remaining = [len(sequence.prompt) - sequence.prefilled for sequence in self._prefilling]
+            sizes = plan_chunks(remaining, self.prefill_tokens)
+        sequences = [self._prefilling.popleft() for _ in sizes]
+        chunks = [
+            Chunk(sequence.prompt, sequence.prefilled, sequence.prefilled + size, sequence.prefill_kv)
+            for sequence, size in zip(sequences, sizes, strict=True)
+        ]
+        logits, kv = forward_chunks(self.model, chunks)
+        self.stats.prefill_passes += 1
+        complete, unfinished = [], []
+        for row, (sequence, chunk) in enumerate(zip(sequences, chunks, strict=True)):
+            if chunk.end == len(sequence.prompt):
+                complete.append(row)
+                continue
+            # kv[row] is a view of this pass's batch: a clone keeps only this row's memory.
+            sequence.prefilled = chunk.end
+            sequence.prefill_kv = [(keys.clone(), values.clone()) for keys, values in kv[row]]
+            unfinished.append(sequence)
+        self._prefilling.extendleft(reversed(unfinished))  # ahead of later arrivals, in order
+        if not complete:
             return
-        self._cache.insert(kv)
-        self._running.append(sequence)
+        finishing = [sequences[row] for row in complete]
+        self._sample(finishing, logits[complete])
+        for row, sequence in zip(complete, finishing, strict=True):
+            sequence.prefill_kv = []
+            sequence.weights_generation = self._weights_generation
+            self.stats.prefills += 1
+            if self._finished(sequence):
+                self._prefixes.insert(sequence.prompt, [(k.clone(), v.clone()) for k, v in kv[row]])
+                self._release(sequence)
+            else:
+                self._cache.insert(kv[row])
+                self._running.append(sequence)
 
     def _decode_step(self) -> None:
         """Feed every running sequence its last token in one forward pass; sample the next."""
@@ -364,6 +400,8 @@ class Engine:
         if sequence in self._running:
             self._leave(self._running.index(sequence))
             return
+        if sequence in self._prefilling:
+            self._prefilling.remove(sequence)
         with self._wake:
             for queue in (self._waiting, self._held):
                 if sequence in queue:
@@ -373,13 +411,15 @@ class Engine:
     def _abort_all(self) -> None:
         with self._wake:
             queued = list(self._waiting)
-        for sequence in [*self._running, *queued]:
+        for sequence in [*self._running, *self._prefilling, *queued]:
             self._abort(sequence)
 
     def _load_weights(self, path: str) -> int:
         loaded = load_weights_into(self.model, path)
         self._weights_generation += 1
         self._prefixes.clear()
+        for sequence in self._prefilling:  # a partial prefill's KV is the old weights': start over
+            sequence.prefilled, sequence.prefill_kv = 0, []
         return loaded
 
     def _freeze(self) -> None:
@@ -387,7 +427,7 @@ class Engine:
 
     def _notify_drained(self) -> None:
         with self._wake:
-            if self._running or self._waiting or not self._drain_waiters:
+            if self._running or self._prefilling or self._waiting or not self._drain_waiters:
                 return
             waiters, self._drain_waiters = self._drain_waiters, []
         for waiter in waiters:
@@ -395,10 +435,11 @@ class Engine:
 
     def _fail_all(self, error: Exception, admitted: list[Sequence]) -> None:
         """After an unexpected error the batch state is unknown: fail everything and start clean."""
-        for sequence in {*self._running, *admitted}:
+        for sequence in {*self._running, *self._prefilling, *admitted}:
             if not sequence.done.done():
                 with self._wake:
                     self._admitted -= 1
                 sequence.done.set_exception(error)
         self._running.clear()
+        self._prefilling.clear()
         self._cache.clear()

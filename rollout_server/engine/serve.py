@@ -29,6 +29,12 @@ def serve_command(
         float | None,
         typer.Option(help="Memory for reusing prompt prefixes, 0: off [STARGYM_PREFIX_CACHE_MB]."),
     ] = None,
+    prefill_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Padded tokens per batched prefill pass; 0: each prompt alone [STARGYM_PREFILL_TOKENS]."
+        ),
+    ] = None,
 ) -> None:
     """Serve a causal LM over vLLM's engine protocol, batching all requests on the CPU."""
     overrides = {
@@ -40,6 +46,7 @@ def serve_command(
         "served_model_name": served_model_name,
         "threads": threads,
         "prefix_cache_mb": prefix_cache_mb,
+        "prefill_tokens": prefill_tokens,
     }
     settings = settings_from_flags(EngineSettings, overrides)
     if not (Path(settings.model) / "config.json").is_file():
@@ -70,6 +77,7 @@ def serve_command(
         eos_token_id=eos,
         extra_stop_token_ids=_generation_eos(loaded) - {eos},
         prefix_cache_bytes=int(settings.prefix_cache_mb * 2**20),
+        prefill_tokens=settings.prefill_tokens or None,
     )
     run_service(build_app(engine, loaded, tokenizer, settings), settings)
 

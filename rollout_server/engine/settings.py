@@ -33,6 +33,12 @@ class EngineSettings(ServiceSettings):
     prefix_cache_mb: float = Field(
         default=256.0, ge=0, description="KV of finished sequences kept for prompts that extend them; 0: off."
     )
+    prefill_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="Rows x widest chunk of one batched prefill pass (a longer prompt is prefilled in "
+        "chunks between decode steps); 0: each prompt whole, in a pass of its own, as before batching.",
+    )
     weights_roots: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Directories (os.pathsep-separated) whose subdirectories reload_weights may load; "

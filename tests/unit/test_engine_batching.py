@@ -17,6 +17,7 @@ from transformers import (
 
 from deploy.tiny_model import build_model, build_tokenizer
 from rollout_server.engine.kv_cache import BatchKVCache
+from rollout_server.engine.prefill import plan_chunks
 from rollout_server.engine.sampling import SequenceSampling
 from rollout_server.engine.scheduler import Engine, FinishReason, PauseMode, Sequence
 
@@ -169,3 +170,74 @@ def test_any_causal_lm_batches_exactly(name: str) -> None:
             start = len(sequence.prompt) - 1
             expected = [logprobs[start + i, token].item() for i, token in enumerate(sequence.output)]
             assert sequence.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen", "mistral"])
+def test_batched_chunked_prefill_samples_what_one_prompt_per_pass_does(name: str, model) -> None:
+    """Prompts prefilled together, padded, cut into chunks and resumed from cached prefixes give
+    the tokens and log-probs of the engine that prefills each prompt whole, in a pass of its own
+    (mistral: a sliding window of 24 that chunks and padding must not shift)."""
+    policy = model if name == "qwen" else other_architecture(name)
+    vocab = policy.config.vocab_size
+    rng = random.Random(3)
+    first = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 90))] for _ in range(10)]
+    results = []
+    for prefill_tokens in (None, 40):
+        engine = Engine(
+            policy,
+            max_num_seqs=16,
+            max_model_len=256,
+            eos_token_id=None,
+            prefix_cache_bytes=1 << 24,
+            prefill_tokens=prefill_tokens,
+        )
+        engine.start()
+        try:
+            turn_one = run(engine, first, list(range(10)), [8] * 10)
+            second = [p + s.output + [3, 4, 5] for p, s in zip(first, turn_one, strict=True)]
+            turn_two = run(engine, second, list(range(10, 20)), [8] * 10)
+            results.append((turn_one + turn_two, engine.stats))
+        finally:
+            engine.stop()
+    (whole, whole_stats), (chunked, chunked_stats) = results
+    assert whole_stats.prefill_passes == whole_stats.prefills == 20
+    # Passes of at most 40 tokens: prefills spread over more steps, decoding in between.
+    assert chunked_stats.prefills == 20 and chunked_stats.steps > whole_stats.steps
+    assert chunked_stats.reused_prompt_tokens == whole_stats.reused_prompt_tokens > 0
+    for alone, together in zip(whole, chunked, strict=True):
+        assert together.output == alone.output
+        assert together.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model) -> None:
+    """A prompt longer than one pass is prefilled in chunks while a running sequence keeps decoding."""
+    engine = Engine(model, max_num_seqs=4, max_model_len=256, eos_token_id=None, prefill_tokens=16)
+    engine.start()
+    try:
+        running = Sequence([1, 2, 3], params(0, 60))
+        engine.submit([running])
+        long = Sequence(list(range(4, 164)), params(1, 2))  # 160 tokens: 10 passes of 16
+        engine.submit([long])
+        long.done.result(timeout=60)
+        decoded_meanwhile = len(running.output)
+        running.done.result(timeout=60)
+    finally:
+        engine.stop()
+    assert engine.stats.prefill_passes >= 11
+    assert 10 <= decoded_meanwhile < 60, decoded_meanwhile
+
+
+@pytest.mark.parametrize(
+    ("remaining", "budget", "sizes"),
+    [
+        ([38, 38, 38], 2048, [38, 38, 38]),
+        ([300], 128, [128]),  # a long prompt: its first chunk
+        ([10, 300, 10], 128, [10]),  # the long one's chunk would make it 2 x 128: next pass
+        ([100, 30, 30, 30], 400, [100, 30, 30, 30]),  # 4 rows x 100 = 400 fits
+        ([100, 30, 30, 30, 30], 400, [100, 30, 30, 30]),  # a fifth row would cost 500
+    ],
+)
+def test_plan_chunks_keeps_rows_times_widest_within_budget(
+    remaining: list[int], budget: int, sizes: list[int]
+) -> None:
+    assert plan_chunks(remaining, budget) == sizes

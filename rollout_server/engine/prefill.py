@@ -1,0 +1,124 @@
+"""Batched, chunked prefill: the prompts of several sequences in one forward pass.
+
+A multi-turn episode's turn prefills only what its prefix-cached history lacks: about 38 new
+tokens in the FrozenLake demo. For a small model such a pass is mostly fixed cost, so one pass
+per prompt left the engine doing ~200 small passes a second, 48% of its time. Measured on the
+tiny policy (one thread): 16 prefills of 38 tokens after a 150-token cached past took 29 ms one
+by one and 8.5 ms as one batch.
+
+Layout of a batch of ``B`` rows, each chunk feeding prompt tokens ``[past, end)`` on top of the
+KV of ``[0, past)``: the query is the last ``Q = max(end - past)`` columns, and every row's tokens
+are right-aligned so that all rows end in the same column, as ``generate()`` left-pads a batch.
+A row with fewer than ``Q`` new tokens feeds the tail of its cached past again (the same work as
+padding, and it keeps each row's tokens contiguous, so sliding-window masks, which count
+columns, stay right); only a row shorter than ``Q`` in all gets padding, on the left. Hugging
+Face builds its own masks from the 2-D padding mask, so any causal LM runs unchanged, and
+``logits_to_keep=1`` gives every row's last logits at once. A single chunk is fed with no mask
+and no padding: alone, a prompt computes exactly what a solo pass computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from rollout_server.engine.kv_cache import LayerKV
+
+
+@dataclass
+class Chunk:
+    """Prefill ``tokens[past:end]`` given ``kv``, the KV of at least ``tokens[:past]``."""
+
+    tokens: Sequence[int]
+    past: int
+    end: int
+    kv: Sequence[LayerKV]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.past < self.end <= len(self.tokens):
+            raise ValueError(f"chunk [{self.past}, {self.end}) of a {len(self.tokens)}-token prompt")
+
+
+def forward_chunks(
+    model: PreTrainedModel, chunks: Sequence[Chunk]
+) -> tuple[torch.Tensor, list[list[LayerKV]]]:
+    """One forward pass over ``chunks``.
+
+    Returns the logits after each chunk's last token, ``[B, vocab]``, and for each chunk the KV of
+    ``tokens[:end]`` (per layer ``[1, kv_heads, end, head_dim]``, no padding).
+    """
+    query = max(chunk.end - chunk.past for chunk in chunks)
+    pasts = [max(0, chunk.end - query) for chunk in chunks]  # KV each row reads instead of feeding
+    width = max(pasts)
+    cache = DynamicCache()
+    if width:
+        layers = len(next(chunk.kv for chunk, past in zip(chunks, pasts, strict=True) if past))
+        for layer in range(layers):
+            keys, values = _right_aligned(chunks, pasts, layer, width)
+            cache.update(keys, values, layer)
+    input_ids = torch.zeros(len(chunks), query, dtype=torch.long)
+    positions = torch.zeros(len(chunks), query, dtype=torch.long)
+    for row, (chunk, past) in enumerate(zip(chunks, pasts, strict=True)):
+        fed = chunk.end - past
+        input_ids[row, query - fed :] = torch.tensor(chunk.tokens[past : chunk.end])
+        positions[row, query - fed :] = torch.arange(past, chunk.end)
+    padded = len(chunks) > 1
+    if padded:
+        lengths = torch.tensor([chunk.end for chunk in chunks])
+        columns = torch.arange(width + query)
+        attention_mask = (columns[None, :] >= (width + query - lengths)[:, None]).long()
+    output = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=attention_mask if padded else None,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    total = width + query
+    kv = [
+        [(layer.keys[row : row + 1, :, total - chunk.end :], layer.values[row : row + 1, :, total - chunk.end :])
+         for layer in cache.layers]
+        for row, chunk in enumerate(chunks)
+    ]  # fmt: skip
+    return output.logits[:, -1], kv
+
+
+def _right_aligned(
+    chunks: Sequence[Chunk], pasts: list[int], layer: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's past KV of every row, ``[B, kv_heads, width, head_dim]``, zeros on the left.
+
+    Zeros, not empty: padding columns are masked out, but garbage could be NaN and 0 * NaN is NaN.
+    """
+    like = next(chunk.kv[layer][0] for chunk, past in zip(chunks, pasts, strict=True) if past)
+    shape = (len(chunks), like.shape[1], width, like.shape[3])
+    keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    values = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    for row, (chunk, past) in enumerate(zip(chunks, pasts, strict=True)):
+        if past:
+            keys[row, :, width - past :] = chunk.kv[layer][0][0, :, :past]
+            values[row, :, width - past :] = chunk.kv[layer][1][0, :, :past]
+    return keys, values
+
+
+def plan_chunks(remaining: Sequence[int], budget: int) -> list[int]:
+    """How many prompt tokens each waiting sequence feeds in this pass, in arrival order.
+
+    ``remaining``: the prompt tokens each still has to prefill. The pass costs rows x widest
+    chunk (a narrower row is padded to it), which must stay within ``budget`` tokens, so a long
+    prompt is cut into chunks over several passes and running decodes wait at most one pass.
+    The first sequence always gets a chunk; later ones join while the padded size fits.
+    """
+    sizes: list[int] = []
+    widest = 0
+    for tokens in remaining:
+        size = min(tokens, budget)
+        if sizes and (len(sizes) + 1) * max(widest, size) > budget:
+            break
+        sizes.append(size)
+        widest = max(widest, size)
+    return sizes
