@@ -26,12 +26,17 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
 
 from trainer.config import ConfigError, TrainConfig, load_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.ranks import RankInfo
 
 
 def parse_overrides(values: list[str] | None) -> dict[str, Any]:
@@ -111,8 +116,7 @@ def train_command(
         ]
         args += ["-m", "deploy", *_forwarded_args(sys.argv[1:])]
         os.execv(sys.executable, args)
-    from trainer.ranks import init_distributed
-    from trainer.service import Trainer, TrainerSettings, follow_leader, serve
+    from trainer.ranks import init_distributed, leave_distributed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads is not None:
@@ -120,6 +124,26 @@ def train_command(
 
         torch.set_num_threads(threads)
     ranks, chosen = init_distributed(device)
+    try:
+        code = _run_rank(config, ranks, chosen, host, port, max_minutes, keep_serving)
+    finally:
+        leave_distributed()
+    if code:
+        raise typer.Exit(code)
+
+
+def _run_rank(
+    config: TrainConfig,
+    ranks: RankInfo,
+    chosen: torch.device,
+    host: str | None,
+    port: int | None,
+    max_minutes: float | None,
+    keep_serving: bool,
+) -> int:
+    """This process's part of the run: rank 0 serves the trainer, the others follow it."""
+    from trainer.service import Trainer, TrainerSettings, follow_leader, serve
+
     if ranks.leader:
         ensure_model(config)
     if ranks.distributed:
@@ -132,7 +156,7 @@ def train_command(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow_leader(config, chosen)
-        return
+        return 0
 
     settings = TrainerSettings(
         **{
@@ -146,9 +170,7 @@ def train_command(
     trainer = Trainer(
         config, redis_url=settings.redis_url, max_minutes=max_minutes, device=str(chosen), ranks=ranks
     )
-    code = serve(trainer, settings, keep_serving=keep_serving)
-    if code:
-        raise typer.Exit(code)
+    return serve(trainer, settings, keep_serving=keep_serving)
 
 
 def _forwarded_args(argv: list[str]) -> list[str]:

@@ -80,6 +80,18 @@ def init_distributed(
     return info, chosen
 
 
+def leave_distributed() -> None:
+    """Leave the process group before the interpreter shuts down (every rank, at its end).
+
+    Without it, gloo's worker threads may still hold finished work whose tensors have Python
+    references; destroying those during interpreter finalization takes the GIL and aborts the
+    process (SIGABRT): CI saw a follower that had been told to stop die that way, which failed
+    the whole torchrun job (pytorch/pytorch#179291 describes the crash).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def split_groups(groups: Sequence[Sequence[T]], world_size: int) -> list[list[T]]:
     """Deal whole groups to ranks in turn: rank r gets groups r, r + N, r + 2N, ... (flattened)."""
     if len(groups) < world_size:
