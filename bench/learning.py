@@ -134,7 +134,7 @@ def plot(runs: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Non
     axes.set_ylabel("held-out success (sampled)")
     axes.set_title(f"FrozenLake 4x4, tiny policy from random weights, {os.cpu_count()} CPU cores")
     axes.set_ylim(0, 1)
-    axes.legend(title="engine prefill")
+    axes.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=110)
     plt.close(figure)
