@@ -59,7 +59,11 @@ def run_once(path: str, index: int, args: argparse.Namespace, out_dir: Path) -> 
     started = time.time()
     try:
         report = train_and_evaluate(
-            DEMO_CONFIG, overrides, minutes=args.minutes, evaluate_before=False, trainer_threads=args.trainer_threads
+            DEMO_CONFIG,
+            overrides,
+            minutes=args.minutes,
+            evaluate_before=False,
+            trainer_threads=args.trainer_threads,
         )
     finally:
         if previous is None:
