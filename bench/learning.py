@@ -46,7 +46,7 @@ def run_once(path: str, index: int, args: argparse.Namespace, out_dir: Path) -> 
     name = f"learning-{path}-{index}"
     overrides = [
         f"run.name={name}",
-        f"run.output_dir={out_dir}",
+        f"run.output_dir={out_dir / name}",  # the run directory: one per run, or the next resumes it
         f"eval.every={args.eval_every}",
         f"eval.episodes={args.eval_episodes}",
         f"optim.total_steps={args.max_steps}",
