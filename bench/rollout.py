@@ -12,6 +12,11 @@ Everything is a real process on free loopback ports, as a user runs it:
 * **direct path** (comparison): ``rollout_server.episode.run_episode`` driven by 64 asyncio tasks
   in this process, against the same env server and engine: the episode runner without the queue.
 
+The worker path runs twice, each time on an engine of its own: first the engine as it was before
+batched prefill (``--prefill-tokens 0``: each prompt whole, in a forward pass of its own, the
+baseline; ``--no-baseline`` skips it), then today's (``--prefill-tokens``, default 2048); the
+report gives the second's episodes/s over the first's (target 1.8x).
+
 Each path is warmed up, then measured over a steady-state window: episodes/s and env steps/s from
 the trajectories completed in it, sampled tokens/s and **engine utilisation** (the share of wall
 time the engine thread spent computing: ``engine_busy_seconds_total`` from its ``/metrics``,

@@ -234,6 +234,8 @@ class PolicyUpdater:
             micro.top_k,
             with_entropy,
         )
+        if start == 0:
+            return logprobs, entropy
         # Nothing before ``start`` is trainable: zeros there, as off the mask anywhere.
         widen = functools.partial(torch.nn.functional.pad, pad=(start, 0))
         return widen(logprobs), None if entropy is None else widen(entropy)

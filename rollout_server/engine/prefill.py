@@ -55,10 +55,9 @@ def forward_chunks(
     width = max(pasts)
     cache = DynamicCache()
     if width:
-        layers = len(next(chunk.kv for chunk, past in zip(chunks, pasts, strict=True) if past))
-        for layer in range(layers):
-            keys, values = _right_aligned(chunks, pasts, layer, width)
-            cache.update(keys, values, layer)
+        like = next(chunk.kv for chunk, past in zip(chunks, pasts, strict=True) if past)
+        for layer, (keys, _) in enumerate(like):
+            cache.update(*_right_aligned(chunks, pasts, layer, width, keys), layer)
     input_ids = torch.zeros(len(chunks), query, dtype=torch.long)
     positions = torch.zeros(len(chunks), query, dtype=torch.long)
     for row, (chunk, past) in enumerate(zip(chunks, pasts, strict=True)):
@@ -88,13 +87,13 @@ def forward_chunks(
 
 
 def _right_aligned(
-    chunks: Sequence[Chunk], pasts: list[int], layer: int, width: int
+    chunks: Sequence[Chunk], pasts: list[int], layer: int, width: int, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's past KV of every row, ``[B, kv_heads, width, head_dim]``, zeros on the left.
+    """One layer's past KV of every row, ``[B, kv_heads, width, head_dim]``, zeros on the left
+    (``like``: a KV tensor of that layer, for its dtype, device and shape).
 
     Zeros, not empty: padding columns are masked out, but garbage could be NaN and 0 * NaN is NaN.
     """
-    like = next(chunk.kv[layer][0] for chunk, past in zip(chunks, pasts, strict=True) if past)
     shape = (len(chunks), like.shape[1], width, like.shape[3])
     keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
     values = torch.zeros(shape, dtype=like.dtype, device=like.device)

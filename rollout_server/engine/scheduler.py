@@ -2,8 +2,8 @@
 
 One dedicated thread owns the model and the batch cache and runs the loop: run queued commands
 (weight reload, pause), one prefill pass for the sequences waiting to join, then one decode step
-for the whole batch, then release the sequences that finished. A request that arrives mid-step joins at the
-next step; a finished sequence leaves at once, leaving its KV to the prefix cache for the next
+for the whole batch, then release the sequences that finished. A request that arrives mid-step
+joins at the next step; a finished sequence leaves at once, leaving its KV to the prefix cache for the next
 turn of its episode. torch releases the GIL inside its kernels, so the asyncio event loop that
 serves HTTP stays responsive while the thread computes.
 
