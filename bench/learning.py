@@ -50,6 +50,7 @@ def run_once(path: str, index: int, args: argparse.Namespace, out_dir: Path) -> 
         f"eval.every={args.eval_every}",
         f"eval.episodes={args.eval_episodes}",
         f"optim.total_steps={args.max_steps}",
+        *args.set,
     ]
     previous = os.environ.get("STARGYM_PREFILL_TOKENS")
     if PATHS[path] is None:
@@ -176,6 +177,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-episodes", type=int, default=256)
     parser.add_argument("--trainer-threads", type=int, default=1, help="The trainer's torch threads.")
     parser.add_argument("--target", type=float, default=0.5, help="Held-out success to reach.")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A config override for every run (as `stargym train --set`), e.g. rollout.groups_per_batch=8.",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
     return parser.parse_args()
 
@@ -209,6 +217,7 @@ def main() -> int:
         "eval_every": args.eval_every,
         "eval_episodes": args.eval_episodes,
         "trainer_threads": args.trainer_threads,
+        "overrides": args.set,
         "runtime_s": time.perf_counter() - started,
         "paths": summarise(runs, args),
         "runs": runs,
