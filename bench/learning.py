@@ -3,29 +3,36 @@
 What users judge a platform by on their own hardware: how fast reward goes up. Each run is
 ``make demo``'s recipe (``configs/frozenlake-tiny.yaml``, seed 0, from random weights) through the
 real services (``deploy.up.bring_up``: Redis, env server, CPU engine, rollout worker, trainer),
-with the trainer evaluating every ``--eval-every`` updates on the held-out seeds (sampled, as the
-demo evaluates) while training goes on. A run's **time to learn** is the wall time from the
-start of the services to the update whose policy first reached ``--target`` held-out success;
-its **final success** is the newest policy's, played on the same seeds after the time budget.
+trained for ``--minutes`` exactly as the demo trains: nothing else runs meanwhile. The trainer
+keeps every published policy, and afterwards every ``--eval-every``-th one plays the held-out
+seeds (sampled, as the demo evaluates; ``stargym eval`` machinery, services of its own). A
+run's **time to learn** is the wall time from the start of the services to the publication of the
+first policy that reached ``--target``; its **final success** is the newest policy's. Evaluating
+during training instead would slow what it measures: a round of 256 held-out episodes queued
+every 10 updates delayed the next batch by 3-4 s, a third of the time of 10 one-turn updates.
 
-Runs alternate between the engine paths (``--paths``): ``batched`` is today's engine,
-``one-per-pass`` the engine before batched prefill (``STARGYM_PREFILL_TOKENS=0``: each prompt
-prefilled alone), so both see the same machine in the same hour. The median of ``--runs`` runs
-per path is reported (a run that never reached the target counts as its whole budget, and says
-so). Results go to ``bench/results/learning.json`` and the plot of held-out success against
-wall-clock minutes, one line per run, to ``bench/results/learning.png``.
+An **arm** is a checkout (``--arm LABEL=DIR``, default ``main`` = this one): its services and its
+recipe run (cwd = DIR, ``python -m deploy``), so ``--arm before=<worktree of an older commit>``
+measures the old code and recipe beside today's. Runs alternate between arms, so all arms see the
+same machine in the same hour; the median of ``--runs`` runs per arm is reported (a run that
+never reached the target counts as its whole budget, and says so). Results go to
+``bench/results/learning.json`` and the plot of held-out success against wall-clock minutes, one
+line per run, to ``bench/results/learning.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +40,39 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deploy.demo import DEMO_CONFIG, train_and_evaluate  # noqa: E402
+from deploy.demo import DEMO_CONFIG, evaluate, train_and_evaluate  # noqa: E402
+from services.policy import policy_dir_name, policy_version  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 
-PATHS = {"batched": None, "one-per-pass": "0"}
-"""Engine path -> STARGYM_PREFILL_TOKENS (None: the engine's default)."""
 TARGET_MINUTES = 4.0  # issue 15: half of the 7-9 minutes the demo took before
+KEEP_EVERY_POLICY = 100_000
+"""``checkpoint.keep_policies`` of a run: every published policy stays to be evaluated after it."""
 
 
-def run_once(path: str, index: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    """One training run of ``args.minutes`` on ``path``; its eval curve and time to the target."""
-    name = f"learning-{path}-{index}"
+@contextlib.contextmanager
+def working_directory(path: Path) -> Iterator[None]:
+    """Run the arm's services and read its recipe from its own checkout."""
+    previous = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """One training run of ``args.minutes`` in ``tree``; its held-out curve and time to the target."""
+    name = f"learning-{arm}-{index}"
+    run_dir = out_dir / name
     overrides = [
         f"run.name={name}",
-        f"run.output_dir={out_dir / name}",  # the run directory: one per run, or the next resumes it
-        f"eval.every={args.eval_every}",
-        f"eval.episodes={args.eval_episodes}",
+        f"run.output_dir={run_dir}",  # the run directory: one per run, or the next resumes it
         f"optim.total_steps={args.max_steps}",
+        f"checkpoint.keep_policies={KEEP_EVERY_POLICY}",
         *args.set,
     ]
-    previous = os.environ.get("STARGYM_PREFILL_TOKENS")
-    if PATHS[path] is None:
-        os.environ.pop("STARGYM_PREFILL_TOKENS", None)
-    else:
-        os.environ["STARGYM_PREFILL_TOKENS"] = PATHS[path]
-    started = time.time()
-    try:
+    with working_directory(tree):
+        started = time.time()
         report = train_and_evaluate(
             DEMO_CONFIG,
             overrides,
@@ -66,25 +80,10 @@ def run_once(path: str, index: int, args: argparse.Namespace, out_dir: Path) -> 
             evaluate_before=False,
             trainer_threads=args.trainer_threads,
         )
-    finally:
-        if previous is None:
-            os.environ.pop("STARGYM_PREFILL_TOKENS", None)
-        else:
-            os.environ["STARGYM_PREFILL_TOKENS"] = previous
-    run_dir = report.config.run_dir
-    step_minutes = {
-        record["step"]: (record["time"] - started) / 60.0
-        for record in read_metrics(run_dir)
-        if "train/pg_loss" in record
-    }
-    curve = [
-        {"step": record["step"], "minutes": step_minutes[record["step"]], "success": record["eval/success"]}
-        for record in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())
-        if record["step"] in step_minutes and "eval/success" in record
-    ]
+        curve = held_out_curve(report, started, args.eval_every)
     reached = next((point for point in curve if point["success"] >= args.target), None)
     return {
-        "path": path,
+        "arm": arm,
         "run": index,
         "minutes_to_target": reached["minutes"] if reached else None,
         "updates_to_target": reached["step"] if reached else None,
@@ -96,14 +95,41 @@ def run_once(path: str, index: int, args: argparse.Namespace, out_dir: Path) -> 
     }
 
 
-def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """Per path: the median time and updates to the target (a miss counts as the whole budget)."""
-    paths = {}
-    for path in dict.fromkeys(run["path"] for run in runs):
-        mine = [run for run in runs if run["path"] == path]
+def held_out_curve(report: Any, started: float, every: int) -> list[dict[str, Any]]:
+    """Held-out success of every ``every``-th published policy (and the last), by the minute of
+    its publication since ``started``; the last one is the run's final evaluation."""
+    run_dir = report.config.run_dir
+    published = {
+        record["step"]: (record["time"] - started) / 60.0
+        for record in read_metrics(run_dir)
+        if "train/pg_loss" in record
+    }
+    versions = sorted(
+        version
+        for child in run_dir.iterdir()
+        if (version := policy_version(child)) is not None and version in published
+    )
+    curve = []
+    for version in versions:
+        if version == report.steps:
+            success = report.after.success
+        elif version % every == 0:
+            policy = run_dir / policy_dir_name(version)
+            success = evaluate(report.config, policy, run_dir / "held-out" / policy.name).success
+        else:
+            continue
+        curve.append({"step": version, "minutes": published[version], "success": success})
+    return curve
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: the median time and updates to the target (a miss counts as the whole budget)."""
+    arms = {}
+    for arm in dict.fromkeys(run["arm"] for run in runs):
+        mine = [run for run in runs if run["arm"] == arm]
         minutes = [run["minutes_to_target"] or run["train_minutes"] for run in mine]
         updates = [run["updates_to_target"] or run["updates"] for run in mine]
-        paths[path] = {
+        arms[arm] = {
             "runs": len(mine),
             "reached_target": sum(run["minutes_to_target"] is not None for run in mine),
             "median_minutes_to_target": statistics.median(minutes),
@@ -111,7 +137,7 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             "median_final_success": statistics.median(run["final_success"] for run in mine),
             "median_updates": statistics.median(run["updates"] for run in mine),
         }
-    return paths
+    return arms
 
 
 def plot(runs: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
@@ -120,18 +146,17 @@ def plot(runs: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"batched": "tab:blue", "one-per-pass": "tab:orange"}
+    colours = dict(zip(dict.fromkeys(run["arm"] for run in runs), plt.get_cmap("tab10").colors, strict=False))
     figure, axes = plt.subplots(figsize=(7, 4.2))
     for run in runs:
         points = run["curve"]
-        label = f"{run['path']}" if run["run"] == 0 else None
         axes.plot(
             [p["minutes"] for p in points],
             [p["success"] for p in points],
-            color=colours.get(run["path"]),
+            color=colours[run["arm"]],
             alpha=0.8,
             marker=".",
-            label=label,
+            label=run["arm"] if run["run"] == 0 else None,
         )
     axes.axhline(args.target, color="grey", linestyle="--", linewidth=1)
     axes.axvline(TARGET_MINUTES, color="grey", linestyle=":", linewidth=1)
@@ -152,11 +177,11 @@ def render(results: dict[str, Any]) -> None:
     table = Table(
         title=f"Time to {results['target']:.0%} held-out success ({results['machine']['cpus']} cores)"
     )
-    for column in ("engine prefill", "runs reaching it", "median minutes", "median updates", "final success"):
+    for column in ("arm", "runs reaching it", "median minutes", "median updates", "final success"):
         table.add_column(column, justify="right")
-    for path, row in results["paths"].items():
+    for arm, row in results["arms"].items():
         table.add_row(
-            path,
+            arm,
             f"{row['reached_target']} / {row['runs']}",
             f"{row['median_minutes_to_target']:.1f}",
             f"{row['median_updates_to_target']:.0f}",
@@ -165,16 +190,42 @@ def render(results: dict[str, Any]) -> None:
     Console(width=120).print(table)
 
 
+def arm(value: str) -> tuple[str, Path]:
+    """``LABEL=DIR`` -> (label, the checkout's absolute path)."""
+    label, sep, tree = value.partition("=")
+    path = Path(tree).expanduser().resolve()
+    if not sep or not label or not (path / DEMO_CONFIG).is_file():
+        raise argparse.ArgumentTypeError(f"{value!r} must be LABEL=DIR, DIR a checkout holding {DEMO_CONFIG}")
+    return label, path
+
+
+def commit_of(tree: Path) -> str:
+    """The checkout's commit, with ``+changes`` when its tree differs from it."""
+    head = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    dirty = subprocess.run(["git", "-C", str(tree), "diff", "--quiet", "HEAD"], capture_output=True)
+    return (head.stdout.strip() or "unknown") + ("+changes" if dirty.returncode else "")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", type=int, default=3, help="Runs per engine path.")
-    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["batched", "one-per-pass"])
+    parser.add_argument("--runs", type=int, default=3, help="Runs per arm.")
+    parser.add_argument(
+        "--arm",
+        type=arm,
+        action="append",
+        dest="arms",
+        metavar="LABEL=DIR",
+        help="A checkout to measure (repeatable); default: main=this checkout.",
+    )
     parser.add_argument("--minutes", type=float, default=9.0, help="Training budget per run (the demo's).")
     parser.add_argument("--max-steps", type=int, default=1000, help="Updates at most (the budget ends runs).")
-    parser.add_argument("--eval-every", type=int, default=10, help="Updates between held-out evaluations.")
-    parser.add_argument("--eval-episodes", type=int, default=256)
+    parser.add_argument(
+        "--eval-every", type=int, default=10, help="Every this many updates' policy is evaluated."
+    )
     parser.add_argument("--trainer-threads", type=int, default=1, help="The trainer's torch threads.")
     parser.add_argument("--target", type=float, default=0.5, help="Held-out success to reach.")
     parser.add_argument(
@@ -185,7 +236,10 @@ def parse_args() -> argparse.Namespace:
         help="A config override for every run (as `stargym train --set`), e.g. rollout.groups_per_batch=8.",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.arms = args.arms or [("main", REPO_ROOT)]
+    args.out = args.out.resolve()
+    return args
 
 
 def main() -> int:
@@ -194,11 +248,9 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="stargym-bench-learning-") as tmp:
         for index in range(args.runs):
-            for path in args.paths:
-                print(
-                    f"run {index + 1}/{args.runs}, engine prefill {path}: up to {args.minutes:g} minutes ..."
-                )
-                run = run_once(path, index, args, Path(tmp))
+            for label, tree in args.arms:
+                print(f"run {index + 1}/{args.runs}, {label} ({tree}): up to {args.minutes:g} minutes ...")
+                run = run_once(label, tree, index, args, Path(tmp))
                 reached = run["minutes_to_target"]
                 outcome = (
                     f"reached {args.target:.2f} after {reached:.1f} min ({run['updates_to_target']} updates)"
@@ -215,11 +267,11 @@ def main() -> int:
         "target": args.target,
         "minutes_per_run": args.minutes,
         "eval_every": args.eval_every,
-        "eval_episodes": args.eval_episodes,
         "trainer_threads": args.trainer_threads,
         "overrides": args.set,
+        "arm_commits": {label: commit_of(tree) for label, tree in args.arms},
         "runtime_s": time.perf_counter() - started,
-        "paths": summarise(runs, args),
+        "arms": summarise(runs),
         "runs": runs,
     }
     render(results)

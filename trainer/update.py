@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from trainer.batch import TrainBatch, micro_batches
 from trainer.config import TrainConfig
 from trainer.critic import ValueModel
 from trainer.distributed import Parallel, Parallelism
-from trainer.shared_prefix import causal_logits
+from trainer.shared_prefix import trainable_logits
 
 STATE_FORMAT = 1
 
@@ -216,29 +215,25 @@ class PolicyUpdater:
         self, module: nn.Module, micro: TrainBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[b, s]`` log-probs (and entropies) of the micro-batch's trainable tokens under ``module``;
-        the rows' shared prompts are computed once (:mod:`trainer.shared_prefix`)."""
+        the rows' shared prompts are computed once, and only the logits of trainable tokens
+        (:mod:`trainer.shared_prefix`)."""
         with self._autocast():
-            logits, start = causal_logits(
+            token_logits, _ = trainable_logits(
                 module,
                 micro.input_ids,
                 micro.attention_mask,
                 micro.response_mask,
                 share_prompts=self.parallelism.forwards_may_differ,
             )
-        logprobs, entropy = selected_logprobs_and_entropy(
-            logits,
-            micro.input_ids[:, start:],
-            micro.response_mask[:, start:],
+        return selected_logprobs_and_entropy(
+            token_logits,
+            micro.input_ids,
+            micro.response_mask,
             micro.temperature,
             micro.top_p,
             micro.top_k,
             with_entropy,
         )
-        if start == 0:
-            return logprobs, entropy
-        # Nothing before ``start`` is trainable: zeros there, as off the mask anywhere.
-        widen = functools.partial(torch.nn.functional.pad, pad=(start, 0))
-        return widen(logprobs), None if entropy is None else widen(entropy)
 
     def _advantages(
         self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int

@@ -16,6 +16,7 @@ from trainer.algorithms.losses import (
     logprobs_from_logits,
     next_token_entropy,
     ppo_policy_loss,
+    predicting_logits,
     selected_logprobs_and_entropy,
     value_loss,
 )
@@ -289,7 +290,8 @@ def test_selected_logprobs_use_each_rows_own_truncation() -> None:
                 logits[row, t - 1 : t], temperature[row : row + 1], top_p[row : row + 1], top_k[row : row + 1]
             ).exp()
             tokens[row, t] = int(probs.argmax())
-    logprobs, entropy = selected_logprobs_and_entropy(logits, tokens, mask, temperature, top_p, top_k)
+    token_logits = predicting_logits(logits, mask)
+    logprobs, entropy = selected_logprobs_and_entropy(token_logits, tokens, mask, temperature, top_p, top_k)
     for row in range(3):
         rows = processed_logprobs(
             logits[row, :-1], temperature[row].expand(4), top_p[row].expand(4), top_k[row].expand(4)
@@ -309,7 +311,8 @@ def test_a_sampled_token_outside_the_current_cut_keeps_a_finite_logprob_and_grad
     tokens = torch.tensor([[0, 3]])  # token 3 is not in the top 2 of logits[0, 0]
     mask = torch.tensor([[0.0, 1.0]])
     one = torch.ones(1)
-    logprobs, entropy = selected_logprobs_and_entropy(logits, tokens, mask, one, one, torch.tensor([2]))
+    token_logits = predicting_logits(logits, mask)
+    logprobs, entropy = selected_logprobs_and_entropy(token_logits, tokens, mask, one, one, torch.tensor([2]))
     kept = torch.tensor([3.0, 2.0, -2.0])
     assert logprobs[0, 1].item() == pytest.approx(torch.log_softmax(kept, 0)[2].item(), abs=1e-6)
     assert torch.isfinite(entropy).all()

@@ -9,7 +9,8 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from deploy.tiny_model import build_model, build_tokenizer
-from trainer.shared_prefix import MIN_SHARED_TOKENS, causal_logits, shared_length
+from trainer.algorithms import predicting_logits
+from trainer.shared_prefix import MIN_SHARED_TOKENS, shared_length, trainable_logits
 
 
 def tiny_policy(name: str) -> torch.nn.Module:
@@ -45,41 +46,72 @@ def grouped_rows(vocab: int, groups: int, group_size: int, prompt_lengths: list[
     return input_ids, attention, response
 
 
-def trainable_logprobs(model, input_ids, attention, response, share: bool):
-    """Log-probs of the trainable tokens, and the gradient of their sum."""
+class WithoutLogitsToKeep(torch.nn.Module):
+    """A causal LM whose ``forward`` cannot select columns (as some remote-code models)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def trainable_logprobs(model, input_ids, attention, response, how: str):
+    """Log-probs of the trainable tokens, and the gradient of their sum: from the full logits of
+    one ordinary pass (the reference), or from :func:`trainable_logits`, one pass or shared."""
     model.zero_grad(set_to_none=True)
-    logits, start = causal_logits(model, input_ids, attention, response, share_prompts=share)
-    targets = input_ids[:, start + 1 :]
-    picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    chosen = picked[response[:, start + 1 :].bool()]
+    if how == "full logits":
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        token_logits, start = predicting_logits(logits, response), 0
+    else:
+        token_logits, start = trainable_logits(
+            model, input_ids, attention, response, share_prompts=how == "shared"
+        )
+    targets = input_ids[:, 1:][response[:, 1:].bool()]
+    chosen = torch.log_softmax(token_logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     chosen.sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return chosen.detach(), start, grads
 
 
-@pytest.mark.parametrize("name", ["qwen", "mistral"])
-def test_shared_prompts_give_the_logprobs_and_gradients_of_one_pass(name: str) -> None:
-    model = tiny_policy(name)
+@pytest.mark.parametrize("name", ["qwen", "mistral", "qwen without logits_to_keep"])
+def test_trainable_logits_give_the_logprobs_and_gradients_of_full_logits(name: str) -> None:
+    model = tiny_policy(name.split()[0])
     vocab = model.config.vocab_size
+    if name.endswith("logits_to_keep"):
+        model = WithoutLogitsToKeep(model)
     input_ids, attention, response = grouped_rows(vocab, groups=4, group_size=6, prompt_lengths=[40, 33])
-    plain, plain_start, plain_grads = trainable_logprobs(model, input_ids, attention, response, share=False)
-    shared, start, grads = trainable_logprobs(model, input_ids, attention, response, share=True)
-    assert plain_start == 0 and start == 32  # the shortest prompt, less the token its logits come from
-    assert shared == pytest.approx(plain, abs=1e-5)
-    assert grads.keys() == plain_grads.keys()
-    for parameter, grad in plain_grads.items():
-        assert torch.allclose(grads[parameter], grad, atol=1e-5, rtol=1e-4), parameter
+    full, _, full_grads = trainable_logprobs(model, input_ids, attention, response, "full logits")
+    assert full.numel() == int(response[:, 1:].sum())
+    for how, expected_start in (("one pass", 0), ("shared", 32)):  # the shortest prompt, less one
+        chosen, start, grads = trainable_logprobs(model, input_ids, attention, response, how)
+        assert start == expected_start
+        assert chosen == pytest.approx(full, abs=1e-5)
+        assert grads.keys() == full_grads.keys()
+        for parameter, grad in full_grads.items():
+            assert torch.allclose(grads[parameter], grad, atol=1e-5, rtol=1e-4), (how, parameter)
+
+
+def test_a_micro_batch_with_nothing_trainable_still_backpropagates() -> None:
+    """Zero logits, and a backward that reaches the parameters (DDP needs every rank's backward)."""
+    model = tiny_policy("qwen")
+    input_ids, attention, response = grouped_rows(model.config.vocab_size, 2, 3, [20])
+    token_logits, _ = trainable_logits(model, input_ids, attention, torch.zeros_like(response))
+    assert token_logits.shape == (0, model.config.vocab_size)
+    token_logits.sum().backward()
+    assert all(p.grad is not None for p in model.lm_head.parameters())
 
 
 def test_one_pass_when_sharing_would_not_pay() -> None:
     model = tiny_policy("qwen")
     vocab = model.config.vocab_size
     distinct, attention, response = grouped_rows(vocab, groups=12, group_size=1, prompt_lengths=[40])
-    assert causal_logits(model, distinct, attention, response)[1] == 0  # 12 prompts for 12 rows
+    assert trainable_logits(model, distinct, attention, response)[1] == 0  # 12 prompts for 12 rows
     short, attention, response = grouped_rows(
         vocab, groups=2, group_size=6, prompt_lengths=[MIN_SHARED_TOKENS]
     )
-    assert causal_logits(model, short, attention, response)[1] == 0  # too short to pay
+    assert trainable_logits(model, short, attention, response)[1] == 0  # too short to pay
     no_reply = response.clone()
     no_reply[0] = 0
     assert shared_length(no_reply) == 0  # a row with nothing trainable: no context bound

@@ -18,7 +18,12 @@ from synthetic import synthetic_trajectories
 from deploy.model_init import init_tiny_model
 from services.policy import load_policy
 from services.rollout_protocol import SamplingParams
-from trainer.algorithms import logprobs_from_logits, next_token_entropy, selected_logprobs_and_entropy
+from trainer.algorithms import (
+    logprobs_from_logits,
+    next_token_entropy,
+    predicting_logits,
+    selected_logprobs_and_entropy,
+)
 from trainer.batch import TrainBatch, collate
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainConfig
@@ -70,7 +75,12 @@ def test_fused_terms_match_the_algorithm_functions(model_dir: Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logprobs, entropy = selected_logprobs_and_entropy(
-        logits, batch.input_ids, batch.response_mask, batch.temperature, batch.top_p, batch.top_k
+        predicting_logits(logits, batch.response_mask),
+        batch.input_ids,
+        batch.response_mask,
+        batch.temperature,
+        batch.top_p,
+        batch.top_k,
     )
     mask = batch.response_mask
     expected = logprobs_from_logits(logits, batch.input_ids, TEMPERATURE) * mask
@@ -158,7 +168,13 @@ def test_on_policy_ratio_is_one_under_top_p_and_top_k(
     with torch.no_grad():
         logits = fresh(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logprobs, _ = selected_logprobs_and_entropy(
-        logits, batch.input_ids, batch.response_mask, batch.temperature, batch.top_p, batch.top_k, False
+        predicting_logits(logits, batch.response_mask),
+        batch.input_ids,
+        batch.response_mask,
+        batch.temperature,
+        batch.top_p,
+        batch.top_k,
+        False,
     )
     mask = batch.response_mask.bool()
     ratio = (logprobs - batch.behaviour_logprobs)[mask].exp()

@@ -23,6 +23,7 @@ from trainer.algorithms.losses import (
     logprobs_from_logits,
     next_token_entropy,
     ppo_policy_loss,
+    predicting_logits,
     selected_logprobs_and_entropy,
     value_loss,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "normalize_group_scores",
     "place_rewards",
     "ppo_policy_loss",
+    "predicting_logits",
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "select_groups",

@@ -214,7 +214,7 @@ def logprobs_from_logits(
 
 
 def selected_logprobs_and_entropy(
-    logits: torch.Tensor,
+    token_logits: torch.Tensor,
     input_ids: torch.Tensor,
     response_mask: torch.Tensor,
     temperature: torch.Tensor,
@@ -225,25 +225,25 @@ def selected_logprobs_and_entropy(
     """``[B, S]`` log-prob of each trainable token under the distribution it was sampled from, and
     that distribution's entropy; 0 off ``response_mask``. What the PPO ratio and the entropy bonus use.
 
-    logits: ``[B, S, V]`` for ``input_ids`` ``[B, S]``; temperature, top_p, top_k: ``[B]``, each
-    row's own sampling settings. The distribution is :func:`services.logits.processed_logprobs`,
-    the one the engine sampled from and reported (vLLM's processed log-probs), so on the
-    behaviour policy's weights the ratio is exactly 1 at any top-p/top-k, not the kept mass. The
-    sampled token always counts as kept: once an optimizer step has moved the logits it may fall
-    outside the new cut, and its log-prob must stay finite. Only trainable rows of ``logits`` are
-    processed (one ``log_softmax`` shared by both results): most tokens of a multi-turn episode
-    are observations.
+    token_logits: ``[N, V]``, the logits that predict the ``N`` trainable tokens of ``input_ids``
+    ``[B, S]`` (token ``t`` is predicted by column ``t - 1``), row-major: what
+    :func:`trainer.shared_prefix.trainable_logits` returns, or :func:`predicting_logits` of full
+    logits. Only these are ever computed: most tokens of a multi-turn episode are observations.
+    temperature, top_p, top_k: ``[B]``, each row's own sampling settings. The distribution is
+    :func:`services.logits.processed_logprobs`, the one the engine sampled from and reported
+    (vLLM's processed log-probs), so on the behaviour policy's weights the ratio is exactly 1 at
+    any top-p/top-k, not the kept mass. The sampled token always counts as kept: once an optimizer
+    step has moved the logits it may fall outside the new cut, and its log-prob must stay finite.
+    One ``log_softmax`` serves both results.
     """
-    positions = response_mask[:, 1:].bool()  # token t (t >= 1) is predicted by logits[:, t-1]
+    positions = response_mask[:, 1:].bool()
     rows = positions.nonzero()[:, 0]
     targets = input_ids[:, 1:][positions]
-    log_probs = processed_logprobs(
-        logits[:, :-1][positions], temperature[rows], top_p[rows], top_k[rows], keep=targets
-    )
+    log_probs = processed_logprobs(token_logits, temperature[rows], top_p[rows], top_k[rows], keep=targets)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     full_mask = torch.zeros_like(response_mask, dtype=torch.bool)
     full_mask[:, 1:] = positions
-    zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=logits.device)
+    zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=token_logits.device)
     logprobs = zeros.masked_scatter(full_mask, picked)
     entropy = None
     if with_entropy:
@@ -251,6 +251,11 @@ def selected_logprobs_and_entropy(
         per_row = -(log_probs.exp() * finite).sum(dim=-1)
         entropy = zeros.masked_scatter(full_mask, per_row)
     return logprobs, entropy
+
+
+def predicting_logits(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[N, V]``: of full logits ``[B, S, V]``, the columns that predict the trainable tokens."""
+    return logits[:, :-1][response_mask[:, 1:].bool()]
 
 
 def kl_penalty(
