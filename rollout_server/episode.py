@@ -26,6 +26,7 @@ the client, never here).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -49,6 +50,8 @@ DEFAULT_WORKER_ID = "local"
 INSTRUCTION_SEPARATOR = "\n\n"
 _PROBE_USER = "\x01stargym user probe\x01"
 _PROBE_ASSISTANT = "\x01stargym assistant probe\x01"
+REMEMBERED_TEXTS = 4096
+"""Prompts and observations a :class:`ChatFormat` keeps the ids of (a few hundred KB)."""
 
 
 class EpisodeEnvError(Exception):
@@ -96,6 +99,11 @@ class ChatFormat:
         )
         if not followed.startswith(answered):
             raise ChatTemplateError("the chat template rewrites earlier turns when a user message follows")
+        # Rendering the template and tokenising was a quarter of the rollout worker's CPU (py-spy,
+        # the demo's second stage), and most of it repeats: a group's episodes share their first
+        # prompt and revisit the same observations (a FrozenLake map has 16 tiles).
+        self._first_prompt = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_first_prompt)
+        self._next_user = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_next_user)
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -108,7 +116,7 @@ class ChatFormat:
 
     def first_prompt(self, content: str) -> list[int]:
         """The first user message under the template, generation prompt included."""
-        return self.encode(self.render([{"role": "user", "content": content}], generation_prompt=True))
+        return list(self._first_prompt(content))
 
     def next_user_text(self, content: str) -> str:
         """What the template adds after an assistant turn for a new user message + generation prompt."""
@@ -132,7 +140,13 @@ class ChatFormat:
 
     def next_user(self, reply_ids: Sequence[int], content: str) -> list[int]:
         """Ids to append after a reply so that the model answers ``content`` next."""
-        return self.encode(self.closing_text(reply_ids) + self.next_user_text(content))
+        return list(self._next_user(self.closing_text(reply_ids), content))
+
+    def _encode_first_prompt(self, content: str) -> tuple[int, ...]:
+        return tuple(self.encode(self.render([{"role": "user", "content": content}], generation_prompt=True)))
+
+    def _encode_next_user(self, closing: str, content: str) -> tuple[int, ...]:
+        return tuple(self.encode(closing + self.next_user_text(content)))
 
 
 _CHAT_FORMATS: dict[int, tuple[Any, ChatFormat]] = {}
