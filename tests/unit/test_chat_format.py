@@ -9,7 +9,11 @@ import pytest
 from deploy.tiny_model import build_tokenizer
 from rollout_server.episode import ChatFormat
 
-OBSERVATIONS = ["P _ _ G\nReach G and avoid O.", "_ P _ G\nReach G and avoid O.", "_ _ P G\nReach G and avoid O."]
+OBSERVATIONS = [
+    "P _ _ G\nReach G and avoid O.",
+    "_ P _ G\nReach G and avoid O.",
+    "_ _ P G\nReach G and avoid O.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,9 @@ def test_a_text_seen_before_is_neither_rendered_nor_tokenised_again(tokenizer: A
     chat = ChatFormat(tokenizer)
     renders = []
     render = chat.render
-    monkeypatch.setattr(chat, "render", lambda *args, **kwargs: renders.append(args) or render(*args, **kwargs))
+    monkeypatch.setattr(
+        chat, "render", lambda *args, **kwargs: renders.append(args) or render(*args, **kwargs)
+    )
     reply = tokenizer.encode("Left", add_special_tokens=False)
     first = [chat.first_prompt(OBSERVATIONS[0]) for _ in range(8)]  # a group's 8 episodes
     after = [chat.next_user(reply, OBSERVATIONS[1]) for _ in range(8)]
