@@ -69,19 +69,27 @@ def _batch(model, tokenizer, seed: int = 0, groups: int = 3, group_size: int = 4
     return collate(trajectories, tokenizer.pad_token_id)
 
 
-def test_fused_terms_match_the_algorithm_functions(model_dir: Path) -> None:
-    model, tokenizer = load_policy(model_dir)
-    batch = _batch(model, tokenizer)
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logprobs, entropy = selected_logprobs_and_entropy(
+def _selected_terms(
+    logits: torch.Tensor, batch: TrainBatch, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The update's log-probs (and entropies) of ``batch``'s trainable tokens, from full logits."""
+    return selected_logprobs_and_entropy(
         predicting_logits(logits, batch.response_mask),
         batch.input_ids,
         batch.response_mask,
         batch.temperature,
         batch.top_p,
         batch.top_k,
+        with_entropy,
     )
+
+
+def test_fused_terms_match_the_algorithm_functions(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logprobs, entropy = _selected_terms(logits, batch)
     mask = batch.response_mask
     expected = logprobs_from_logits(logits, batch.input_ids, TEMPERATURE) * mask
     assert torch.allclose(logprobs, expected, atol=1e-5)
@@ -167,15 +175,7 @@ def test_on_policy_ratio_is_one_under_top_p_and_top_k(
     fresh, _ = load_policy(model_dir)
     with torch.no_grad():
         logits = fresh(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logprobs, _ = selected_logprobs_and_entropy(
-        predicting_logits(logits, batch.response_mask),
-        batch.input_ids,
-        batch.response_mask,
-        batch.temperature,
-        batch.top_p,
-        batch.top_k,
-        False,
-    )
+    logprobs, _ = _selected_terms(logits, batch, with_entropy=False)
     mask = batch.response_mask.bool()
     ratio = (logprobs - batch.behaviour_logprobs)[mask].exp()
     assert (ratio - 1).abs().max() < 1e-4
