@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +39,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from deploy.demo import DEMO_CONFIG, evaluate, train_and_evaluate  # noqa: E402
+from deploy.demo import DEMO_CONFIG, DemoReport, evaluate, train_and_evaluate  # noqa: E402
 from services.policy import policy_dir_name, policy_version  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 
 TARGET_MINUTES = 4.0  # issue 15: half of the 7-9 minutes the demo took before
 KEEP_EVERY_POLICY = 100_000
 """``checkpoint.keep_policies`` of a run: every published policy stays to be evaluated after it."""
-
-
-@contextlib.contextmanager
-def working_directory(path: Path) -> Iterator[None]:
-    """Run the arm's services and read its recipe from its own checkout."""
-    previous = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
 
 
 def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
@@ -71,7 +59,7 @@ def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir
         f"checkpoint.keep_policies={KEEP_EVERY_POLICY}",
         *args.set,
     ]
-    with working_directory(tree):
+    with contextlib.chdir(tree):  # the arm's services and recipe, from its own checkout
         started = time.time()
         report = train_and_evaluate(
             DEMO_CONFIG,
@@ -95,7 +83,7 @@ def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir
     }
 
 
-def held_out_curve(report: Any, started: float, every: int) -> list[dict[str, Any]]:
+def held_out_curve(report: DemoReport, started: float, every: int) -> list[dict[str, Any]]:
     """Held-out success of every ``every``-th published policy (and the last), by the minute of
     its publication since ``started``; the last one is the run's final evaluation."""
     run_dir = report.config.run_dir
