@@ -13,7 +13,8 @@ every 10 updates delayed the next batch by 3-4 s, a third of the time of 10 one-
 
 An **arm** is a checkout (``--arm LABEL=DIR``, default ``main`` = this one): its services and its
 recipe run (cwd = DIR, ``python -m deploy``), so ``--arm before=<worktree of an older commit>``
-measures the old code and recipe beside today's. Runs alternate between arms, so all arms see the
+measures the old code and recipe beside today's. Arms may share a checkout and differ in config
+(``--arm-set LABEL KEY=VALUE``: a recipe change measured beside the recipe as it is). Runs alternate between arms, so all arms see the
 same machine in the same hour; the median of ``--runs`` runs per arm is reported (a run that
 never reached the target counts as its whole budget, and says so). Results go to
 ``bench/results/learning.json`` and the plot of held-out success against wall-clock minutes, one
@@ -55,9 +56,11 @@ def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir
     overrides = [
         f"run.name={name}",
         f"run.output_dir={run_dir}",  # the run directory: one per run, or the next resumes it
+        f"run.seed={index}",  # env seeds, sampling seeds and the trainer's RNG: run i of every arm alike
         f"optim.total_steps={args.max_steps}",
         f"checkpoint.keep_policies={KEEP_EVERY_POLICY}",
         *args.set,
+        *args.arm_set.get(arm, []),
     ]
     with contextlib.chdir(tree):  # the arm's services and recipe, from its own checkout
         started = time.time()
@@ -223,9 +226,24 @@ def parse_args() -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="A config override for every run (as `stargym train --set`), e.g. rollout.groups_per_batch=8.",
     )
+    parser.add_argument(
+        "--arm-set",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("LABEL", "KEY=VALUE"),
+        help="A config override for one arm's runs (after --set), e.g. --arm-set lr3 optim.lr=3e-3.",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
     args = parser.parse_args()
     args.arms = args.arms or [("main", REPO_ROOT)]
+    labels = {label for label, _ in args.arms}
+    per_arm: dict[str, list[str]] = {}
+    for label, override in args.arm_set:
+        if label not in labels:
+            parser.error(f"--arm-set {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+        per_arm.setdefault(label, []).append(override)
+    args.arm_set = per_arm
     args.out = args.out.resolve()
     return args
 
@@ -257,6 +275,7 @@ def main() -> int:
         "eval_every": args.eval_every,
         "trainer_threads": args.trainer_threads,
         "overrides": args.set,
+        "arm_overrides": args.arm_set,
         "arm_commits": {label: commit_of(tree) for label, tree in args.arms},
         "runtime_s": time.perf_counter() - started,
         "arms": summarise(runs),
