@@ -197,7 +197,7 @@ class EchoTrapDetector:
         message = (
             f"no learning signal: in each of the last {self._flat_updates} updates every group's "
             f"episodes got the same reward{rewards}, so every group-relative advantage is zero and "
-            "the policy does not change; make rewards differ within a group (a penalty for invalid "
+            "the update learns nothing from rewards; make them differ within a group (a penalty for invalid "
             "actions, a one-turn first stage in curriculum.horizon_schedule, a higher sampling "
             "temperature, an easier task)"
         )
