@@ -42,34 +42,28 @@ def test_a_finding_runs_one_arm_and_reports(
 ) -> None:
     finding = FINDINGS[name]
     extra = [f"model.path={lake_model}", "optim.total_steps=2", "eval.episodes=8", "checkpoint.save_every=1"]
-    report = reproduce(
-        finding,
-        seeds=1,
-        minutes=5.0,
-        out=tmp_path,
-        only=[ARMS[name]],
-        extra=extra,
-        console=Console(quiet=True),
-        redis_url=empty_redis_url,
-        private=True,
-    )
+
+    def sweep() -> Path:
+        return reproduce(
+            finding,
+            seeds=1,
+            minutes=5.0,
+            out=tmp_path,
+            only=[ARMS[name]],
+            extra=extra,
+            console=Console(quiet=True),
+            redis_url=empty_redis_url,
+            private=True,
+        )
+
+    report = sweep()
     run_dir = run_dir_of(tmp_path / name, finding.arm(ARMS[name]), 0)
     assert (run_dir / REPORT_FILE).exists()
     text = report.read_text()
     assert f"| {ARMS[name]} | " in text and "## Verdicts" in text
     assert (report.parent / "curves.png").read_bytes()[:4] == b"\x89PNG"
     mtime = (run_dir / REPORT_FILE).stat().st_mtime
-    reproduce(
-        finding,
-        seeds=1,
-        minutes=5.0,
-        out=tmp_path,
-        only=[ARMS[name]],
-        extra=extra,
-        console=Console(quiet=True),
-        redis_url=empty_redis_url,
-        private=True,
-    )
+    sweep()
     assert (run_dir / REPORT_FILE).stat().st_mtime == mtime  # finished: kept, not trained again
 
 
