@@ -108,6 +108,13 @@ bench: setup browser wrk
 bench-learning: setup
 	$(BIN)/python bench/learning.py
 
+# Not in make test (hours: 5 findings, 2-10 arms each, 3 seeds, one run at a time): stargym repro
+# for every finding of RAGEN and AgentGym-RL it reruns, reports and plots under docs/repro/.
+# Resumable: run it again and finished runs are kept.
+.PHONY: repro
+repro: setup
+	$(BIN)/python -m deploy repro all --out runs/repro --reports docs/repro
+
 # Not in CI (about 45 minutes): 10,000 instances per env family created, stepped and closed with the
 # servers' RSS within 10% (tests/integration/test_instance_leaks.py, 1,000 in `make test`), then the
 # demo's run for 30 minutes under `stargym up` with every service's RSS within 10% after warm-up.

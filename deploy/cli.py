@@ -7,6 +7,7 @@ import typer
 from deploy.dashboard import dashboard_command
 from deploy.eval import eval_command
 from deploy.model_init import model_init_command
+from deploy.repro.command import repro_command
 from deploy.train import train_command
 from deploy.up import up_command
 from env_server.serve import serve_command
@@ -28,6 +29,7 @@ app.command("eval")(eval_command)
 app.command("train")(train_command)
 app.command("up")(up_command)
 app.command("dashboard")(dashboard_command)
+app.command("repro")(repro_command)
 
 
 @env_app.command("list")

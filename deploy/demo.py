@@ -91,7 +91,7 @@ def evaluate(config: TrainConfig, model_dir: Path, out_dir: Path) -> EvalSummary
     eval_config = EvalPlan(
         envs=[env.id for env in config.envs.mix],
         episodes=min(episodes, len(config.envs.eval_seeds)),
-        max_turns=config.curriculum.schedule.final_max_turns,
+        max_turns=config.eval_max_turns,
         sampling=sampling,
         seed=config.envs.eval_seeds.start,
         concurrency=64,
@@ -140,8 +140,12 @@ def train_and_evaluate(
     show_progress: bool = False,
     evaluate_before: bool = True,
     trainer_threads: int = 1,
+    private: bool = False,
 ) -> DemoReport:
-    """Evaluate the untrained policy, train for ``minutes`` with everything up, evaluate the result."""
+    """Evaluate the untrained policy, train for ``minutes`` with everything up, evaluate the result.
+
+    ``private``: every service on a free port (``bring_up``'s), for callers that may run beside
+    another stack, such as tests on several workers."""
     console = console or Console(stderr=True, quiet=not show_progress)
     config = load_train_config(config_path, overrides)
     ensure_model(config)
@@ -162,6 +166,7 @@ def train_and_evaluate(
         trainer_threads=trainer_threads,
         console=console,
         redis_url=redis_url,
+        private=private,
     ) as stack:
         console.print(f"Watch it live: the dashboard is at {stack.trainer.url}/", highlight=False)
         if show_progress:

@@ -436,6 +436,12 @@ class EvalConfig(Section):
     temperature: float = Field(
         default=1.0, ge=0, description="Sampling temperature of evaluation; 0: greedy."
     )
+    max_turns: int | None = Field(
+        default=None,
+        ge=1,
+        description="Turn limit of held-out episodes; None: the horizon schedule's last stage. Set it "
+        "to compare runs with different schedules on the same episodes.",
+    )
 
 
 # --- the whole run ----------------------------------------------------------------------------
@@ -540,6 +546,11 @@ class TrainConfig(Section):
     @property
     def run_dir(self) -> Path:
         return self.run.run_dir
+
+    @property
+    def eval_max_turns(self) -> int:
+        """Turn limit of held-out episodes: ``eval.max_turns``, else the schedule's last stage."""
+        return self.eval.max_turns or self.curriculum.schedule.final_max_turns
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<config>") -> TrainConfig:

@@ -826,6 +826,11 @@ def trajectory_stats(trajectories: Iterable[Trajectory], policy_version: int) ->
     metrics["rollout/in_group_std"] = statistics.fmean(
         statistics.pstdev(values) if len(values) > 1 else 0.0 for values in groups.values()
     )
+    compared = [values for values in groups.values() if len(values) > 1]
+    if compared:  # the groups a group-relative advantage can learn from: rewards that differ
+        metrics["rollout/groups_with_signal"] = statistics.fmean(
+            float(max(values) > min(values)) for values in compared
+        )
     metrics |= per_env_stats(items, "env")
     timings = [t.timings.get("queue_wait_s") for t in items if "queue_wait_s" in t.timings]
     if timings:

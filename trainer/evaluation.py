@@ -65,7 +65,7 @@ def make_eval_jobs(
     episodes = min(config.eval.episodes or len(seeds), len(seeds))
     sampling = config.rollout.sampling.model_copy(update={"temperature": config.eval.temperature})
     group_id = f"{eval_group_prefix(run_id)}{step}-{lifetime}"
-    max_turns = config.curriculum.schedule.final_max_turns
+    max_turns = config.eval_max_turns
     return [
         RolloutJob(
             job_id=f"{group_id}-{env_index}-{index}",

@@ -236,7 +236,7 @@ class Trainer:
         self.metrics = MetricsLogger.from_config(config, resume_step=self.store.latest())
         self.controller: Controller | None = None
         self.detector = EchoTrapDetector()
-        self.echo_counts = {"collapse": 0, "grad_spike": 0}
+        self.echo_counts = {"collapse": 0, "grad_spike": 0, "no_signal": 0}
         self.recorder = TrajectoryRecorder(self.run_dir)
         self._trained_share: list[Trajectory] = []
         self._stop = asyncio.Event()
@@ -448,6 +448,8 @@ class Trainer:
             entropy=metrics.get("train/entropy", float("nan")),
             grad_norm=metrics.get("train/grad_norm"),
             response_length=metrics.get("rollout/response_length"),
+            groups_with_signal=metrics.get("rollout/groups_with_signal"),
+            reward_mean=metrics.get("rollout/reward_mean"),
         )
         for event in events:
             logger.warning("step %d: %s", self.step, event.message)

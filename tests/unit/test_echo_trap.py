@@ -119,3 +119,45 @@ def test_config_validation() -> None:
         EchoTrapConfig(spike_factor=0.5)
     with pytest.raises(ValueError):
         EchoTrapConfig(window=0)
+
+
+def feed_signal(detector: EchoTrapDetector, shares, start: int = 0, reward_mean: float = -1.0):
+    events = []
+    for offset, share in enumerate(shares):
+        events += detector.update(
+            start + offset, 0.0, 1.5, 1.0, 10, groups_with_signal=share, reward_mean=reward_mean
+        )
+    return events
+
+
+def test_no_signal_fires_after_its_window_of_flat_batches() -> None:
+    detector = EchoTrapDetector(EchoTrapConfig(no_signal_window=5))
+    assert feed_signal(detector, [0.0] * 4) == []
+    (event,) = feed_signal(detector, [0.0], start=4)
+    assert (event.kind, event.step) == ("no_signal", 4)
+    assert event.details == {"updates": 5.0, "reward_mean": -1.0}
+    assert "no learning signal" in event.message and "-1" in event.message
+
+
+def test_no_signal_counts_updates_in_a_row() -> None:
+    # one batch with a group that varied starts the count again
+    assert feed_signal(EchoTrapDetector(EchoTrapConfig(no_signal_window=5)), [0.0, 0.0, 0.0, 0.0, 0.1] * 10) == []
+
+
+def test_no_signal_repeats_after_the_cooldown_while_it_lasts() -> None:
+    detector = EchoTrapDetector(EchoTrapConfig(no_signal_window=5, cooldown=10))
+    events = feed_signal(detector, [0.0] * 30)
+    assert [event.step for event in events] == [4, 14, 24]
+
+
+def test_no_signal_is_not_judged_without_groups_to_compare() -> None:
+    # one episode per group (a critic's baseline, not the group's): groups_with_signal is absent
+    assert feed_signal(EchoTrapDetector(), [None] * 50) == []
+
+
+def test_state_dict_keeps_the_flat_count() -> None:
+    detector = EchoTrapDetector(EchoTrapConfig(no_signal_window=5))
+    feed_signal(detector, [0.0] * 3)
+    restored = EchoTrapDetector(EchoTrapConfig(no_signal_window=5))
+    restored.load_state_dict(detector.state_dict())
+    assert [event.step for event in feed_signal(restored, [0.0, 0.0], start=3)] == [4]

@@ -1,4 +1,5 @@
-"""Echo-trap watch: warn when multi-turn RL starts collapsing (RAGEN's "Echo Trap").
+"""Echo-trap watch: warn when multi-turn RL starts collapsing (RAGEN's "Echo Trap") or has
+nothing to learn from.
 
 The Echo Trap: the policy locks onto a few repetitive reasoning patterns; rewards inside each
 group stop varying (nothing left to compare), entropy falls, and the gradient norm spikes before
@@ -10,6 +11,11 @@ structured warnings:
   entropy falls in any run that learns, and reward std falls when a task is solved.
 * ``"grad_spike"``: the gradient norm exceeds ``spike_factor`` times the median of the previous
   ``spike_window`` norms (or is not finite).
+* ``"no_signal"``: every group's episodes got the same reward for ``no_signal_window`` updates in
+  a row. Group-relative advantages are then all zero and the update learns nothing, while the
+  run looks healthy (no error, updates keep coming). ``"collapse"`` cannot see it: a reward std
+  that never rose has no peak to fall from. A Sokoban recipe ran 68 updates at reward exactly
+  -1.000 before anyone noticed.
 
 Each kind fires at most once per ``cooldown`` updates. The detector only reads numbers; the
 trainer logs the event (and may act on it). Its state round-trips through ``state_dict`` for
@@ -24,7 +30,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-EventKind = Literal["collapse", "grad_spike"]
+EventKind = Literal["collapse", "grad_spike", "no_signal"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,9 @@ class EchoTrapConfig:
     ``collapse_fraction``: the current rolling mean must fall below this share of the peak one.
     ``min_reward_std_peak`` / ``min_entropy_peak``: a peak below this is noise, not a reference
     (a run whose reward std never rose has nothing to collapse from). ``spike_factor``,
-    ``spike_window``, ``spike_min_history``: grad-norm spike test. ``cooldown``: updates between
-    two events of the same kind (default: ``window``)."""
+    ``spike_window``, ``spike_min_history``: grad-norm spike test. ``no_signal_window``: updates
+    in a row without reward variance in any group before ``"no_signal"`` fires. ``cooldown``:
+    updates between two events of the same kind (default: ``window``)."""
 
     window: int = 10
     collapse_fraction: float = 0.25
@@ -43,11 +50,12 @@ class EchoTrapConfig:
     spike_factor: float = 10.0
     spike_window: int = 20
     spike_min_history: int = 5
+    no_signal_window: int = 5
     cooldown: int | None = None
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.spike_window < 1 or self.spike_min_history < 1:
-            raise ValueError("window, spike_window and spike_min_history must be >= 1")
+        if min(self.window, self.spike_window, self.spike_min_history, self.no_signal_window) < 1:
+            raise ValueError("window, spike_window, spike_min_history and no_signal_window must be >= 1")
         if not 0.0 < self.collapse_fraction < 1.0:
             raise ValueError(f"collapse_fraction must be in (0, 1), got {self.collapse_fraction}")
         if self.spike_factor <= 1.0:
@@ -80,6 +88,7 @@ class EchoTrapDetector:
         self._peak_reward_std = 0.0
         self._peak_entropy = 0.0
         self._peak_length = 0.0
+        self._flat_updates = 0  # updates in a row in which no group's rewards varied
         self._last_fired: dict[str, int] = {}
 
     # -- feeding ---------------------------------------------------------------------------
@@ -91,6 +100,8 @@ class EchoTrapDetector:
         entropy: float,
         grad_norm: float | None = None,
         response_length: float | None = None,
+        groups_with_signal: float | None = None,
+        reward_mean: float | None = None,
     ) -> list[EchoTrapEvent]:
         """Record one update's stats and return the warnings it triggers (usually none).
 
@@ -98,11 +109,17 @@ class EchoTrapDetector:
         entropy: mean token entropy of the policy (``train/entropy``).
         grad_norm: gradient norm before clipping (``train/grad_norm``); ``None`` skips the check.
         response_length: mean response length in tokens; reported in the collapse event.
+        groups_with_signal: share of the batch's groups whose episodes' rewards differ
+        (``rollout/groups_with_signal``); ``None`` (no group of two or more episodes) skips the check.
+        reward_mean: mean episode reward (``rollout/reward_mean``); reported in the no-signal event.
         """
         events: list[EchoTrapEvent] = []
         spike = self._check_grad_spike(step, grad_norm)
         if spike is not None:
             events.append(spike)
+        no_signal = self._check_no_signal(step, groups_with_signal, reward_mean)
+        if no_signal is not None:
+            events.append(no_signal)
 
         self._reward_std.append(float(reward_std))
         self._entropy.append(float(entropy))
@@ -168,6 +185,27 @@ class EchoTrapDetector:
         self._grad_norm.append(grad_norm)
         return event
 
+    def _check_no_signal(
+        self, step: int, groups_with_signal: float | None, reward_mean: float | None
+    ) -> EchoTrapEvent | None:
+        if groups_with_signal is None:
+            return None
+        self._flat_updates = self._flat_updates + 1 if groups_with_signal == 0 else 0
+        if self._flat_updates < self.config.no_signal_window or not self._ready("no_signal", step):
+            return None
+        rewards = f" (mean reward {reward_mean:.4g})" if reward_mean is not None else ""
+        message = (
+            f"no learning signal: in each of the last {self._flat_updates} updates every group's "
+            f"episodes got the same reward{rewards}, so every group-relative advantage is zero and "
+            "the update learns nothing from rewards; make them differ within a group (a penalty for invalid "
+            "actions, a one-turn first stage in curriculum.horizon_schedule, a higher sampling "
+            "temperature, an easier task)"
+        )
+        details = {"updates": float(self._flat_updates)}
+        if reward_mean is not None:
+            details["reward_mean"] = float(reward_mean)
+        return EchoTrapEvent("no_signal", step, message, details)
+
     def _ready(self, kind: str, step: int) -> bool:
         """Whether ``kind`` may fire at ``step`` (cooldown); marks it fired if so."""
         cooldown = self.config.cooldown if self.config.cooldown is not None else self.config.window
@@ -188,6 +226,7 @@ class EchoTrapDetector:
             "peak_reward_std": self._peak_reward_std,
             "peak_entropy": self._peak_entropy,
             "peak_length": self._peak_length,
+            "flat_updates": self._flat_updates,
             "last_fired": dict(self._last_fired),
         }
 
@@ -203,4 +242,5 @@ class EchoTrapDetector:
         self._peak_reward_std = float(state["peak_reward_std"])
         self._peak_entropy = float(state["peak_entropy"])
         self._peak_length = float(state["peak_length"])
+        self._flat_updates = int(state.get("flat_updates", 0))  # absent from older checkpoints
         self._last_fired = {str(kind): int(step) for kind, step in state["last_fired"].items()}

@@ -33,7 +33,10 @@ const ECHO_COLOR = '#d62728';
 const CHARTS = [
   { id: 'success', title: 'Success', keys: ['eval/success', 'rollout/success', 'env/*/success', 'eval/*/success'] },
   { id: 'reward', title: 'Reward', keys: ['rollout/reward_mean', 'eval/reward', 'env/*/reward', 'eval/*/reward'] },
-  { id: 'in_group_std', title: 'In-group reward std', keys: ['rollout/in_group_std'] },
+  {
+    id: 'in_group_std', title: 'In-group reward std (share of groups with signal right)',
+    keys: ['rollout/in_group_std', 'rollout/groups_with_signal'], right: ['rollout/groups_with_signal'],
+  },
   { id: 'entropy', title: 'Entropy', keys: ['train/entropy'] },
   { id: 'grad_norm', title: 'Gradient norm', keys: ['train/grad_norm'] },
   { id: 'kl', title: 'KL', keys: ['train/kl'] },
@@ -143,6 +146,11 @@ function pageHeader(title, ...extra) {
 // ===== formatting =================================================================================
 
 const pad2 = (n) => String(n).padStart(2, '0');
+
+/** What a training warning is called on a chart: the watch's kinds (trainer/algorithms/echo_trap.py). */
+function warningName(kind) {
+  return kind === 'no_signal' ? 'no learning signal' : `echo trap (${kind})`;
+}
 
 function fmtNum(value, digits = 3) {
   if (value === null || value === undefined || (typeof value === 'number' && Number.isNaN(value))) return '—';
@@ -650,7 +658,7 @@ async function pageCharts(ctx, page, where) {
     return chart;
   });
   const echoBox = el('div', { 'data-echo-list': '' });
-  add(page, grid, el('section', { class: 'card echo-section' }, el('h2', {}, 'Echo-trap events'), echoBox));
+  add(page, grid, el('section', { class: 'card echo-section' }, el('h2', {}, 'Echo-trap and no-signal warnings'), echoBox));
   ctx.onCleanup(() => charts.forEach((c) => { if (c.plotted) Plotly.purge(c.plot); }));
 
   // -- x values and event shapes
@@ -706,7 +714,7 @@ async function pageCharts(ctx, page, where) {
         if (x === null) continue;
         shapes.push(vline(x, { color: ECHO_COLOR, width: 1.5 }));
         echo.x.push(x);
-        const lines = [`${multi ? `${run.name} · ` : ''}echo trap (${trap.kind}) at step ${trap.step}`, trap.message,
+        const lines = [`${multi ? `${run.name} · ` : ''}${warningName(trap.kind)} at step ${trap.step}`, trap.message,
           ...Object.entries(trap.details || {}).map(([k, v]) => `${k}: ${fmtNum(v)}`)];
         echo.text.push(lines.map(plotlyText).join('<br>'));
       }
@@ -848,7 +856,7 @@ async function pageCharts(ctx, page, where) {
     }
     rows.sort((a, b) => a.step - b.step);
     if (!rows.length) {
-      fill(echoBox, emptyNote('No echo-trap events.'));
+      fill(echoBox, emptyNote('No echo-trap or no-signal warnings.'));
       return;
     }
     fill(echoBox, table(

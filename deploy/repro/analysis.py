@@ -1,0 +1,121 @@
+"""Reading a finding's runs back: curves, the step of collapse, echo-trap warnings, held-out success.
+
+Every run is an ordinary run directory (``metrics.jsonl``, ``echo_trap.jsonl``,
+``demo-report.json``), so what the report says can be checked against the dashboard's runs view.
+
+Collapse, as RAGEN uses the word: after early gains, success falls and does not come back. Here
+it is the first update at which the rolling mean of training success (over
+:data:`COLLAPSE_WINDOW` updates) is below :data:`COLLAPSE_FRACTION` of its best rolling mean so
+far, once that best has reached :data:`MIN_PEAK` (a run that never learned has nothing to
+collapse from). The end-of-run held-out success says whether the run came back.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.metrics import read_metrics
+
+COLLAPSE_WINDOW = 10
+COLLAPSE_FRACTION = 0.5
+MIN_PEAK = 0.1
+CURVE_KEYS = ("rollout/success", "rollout/in_group_std", "train/entropy", "train/grad_norm")
+"""What the report plots, per update."""
+
+
+@dataclass
+class RunResult:
+    """One seed of one arm."""
+
+    seed: int
+    run_dir: Path
+    curves: dict[str, list[tuple[int, float]]]
+    """Per key of :data:`CURVE_KEYS`: (update step, value) for every update that logged it."""
+    warnings: list[dict[str, Any]]
+    """The run's echo-trap and no-signal events (``echo_trap.jsonl``)."""
+    held_out_success: float | None
+    """Sampled success of the newest policy on the held-out seeds; None if the run did not finish."""
+    updates: int
+
+    @property
+    def collapse_step(self) -> int | None:
+        return collapse_step(self.curves.get("rollout/success", []))
+
+    @property
+    def warned_before_collapse(self) -> bool | None:
+        """Whether an echo-trap warning (collapse or gradient spike) fired at or before the
+        collapse; None when the run did not collapse."""
+        step = self.collapse_step
+        if step is None:
+            return None
+        return any(
+            event["kind"] in ("collapse", "grad_spike") and event["step"] <= step for event in self.warnings
+        )
+
+
+def collapse_step(success: list[tuple[int, float]]) -> int | None:
+    """The first step whose rolling success is below :data:`COLLAPSE_FRACTION` of the best rolling
+    success before it (that best at least :data:`MIN_PEAK`); None if there is none."""
+    window: deque[float] = deque(maxlen=COLLAPSE_WINDOW)
+    peak = 0.0
+    for step, value in success:
+        window.append(value)
+        if len(window) < COLLAPSE_WINDOW:
+            continue
+        rolling = statistics.fmean(window)
+        if peak >= MIN_PEAK and rolling < COLLAPSE_FRACTION * peak:
+            return step
+        peak = max(peak, rolling)
+    return None
+
+
+def read_run(run_dir: Path, seed: int) -> RunResult:
+    """What :mod:`deploy.repro.report` needs of one finished (or stopped) run directory."""
+    curves: dict[str, list[tuple[int, float]]] = {key: [] for key in CURVE_KEYS}
+    updates = 0
+    for record in read_metrics(run_dir):
+        if "train/pg_loss" not in record:
+            continue  # an evaluation's record, not an update's
+        updates = max(updates, record["step"])
+        for key in CURVE_KEYS:
+            if isinstance(record.get(key), int | float):
+                curves[key].append((record["step"], float(record[key])))
+    warnings = []
+    events = run_dir / "echo_trap.jsonl"
+    if events.exists():
+        warnings = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    report = run_dir / "demo-report.json"
+    held_out = json.loads(report.read_text())["after"]["success"] if report.exists() else None
+    return RunResult(seed, run_dir, curves, warnings, held_out, updates)
+
+
+@dataclass
+class ArmSummary:
+    """One arm over its seeds."""
+
+    label: str
+    runs: list[RunResult]
+
+    @property
+    def finished(self) -> list[RunResult]:
+        return [run for run in self.runs if run.held_out_success is not None]
+
+    @property
+    def mean_success(self) -> float | None:
+        values = [run.held_out_success for run in self.finished if run.held_out_success is not None]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def collapsed(self) -> int:
+        return sum(run.collapse_step is not None for run in self.runs)
+
+    @property
+    def median_collapse_step(self) -> float:
+        """Median step of collapse over seeds, a seed that never collapsed counting as infinity."""
+        steps = [run.collapse_step if run.collapse_step is not None else float("inf") for run in self.runs]
+        return statistics.median(steps) if steps else float("inf")

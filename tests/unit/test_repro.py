@@ -1,0 +1,87 @@
+"""stargym repro's pieces that need no training: arms that load, collapse detection, verdicts, the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.repro.analysis import ArmSummary, RunResult, collapse_step
+from deploy.repro.findings import FINDINGS, Expectation, Finding
+from deploy.repro.report import verdict, write_report
+from deploy.train import load_train_config
+
+
+@pytest.mark.parametrize("finding", FINDINGS.values(), ids=list(FINDINGS))
+def test_every_arm_is_a_valid_config_and_every_expectation_names_arms(finding: Finding) -> None:
+    labels = {arm.label for arm in finding.arms}
+    assert len(labels) == len(finding.arms)
+    for arm in finding.arms:
+        config = load_train_config(arm.config, list(arm.overrides))
+        assert config.candidate_groups * config.rollout.group_size >= 128  # no arm plays fewer episodes
+    for expectation in finding.expectations:
+        assert {expectation.better, expectation.worse} <= labels
+
+
+def test_filtered_arms_play_what_unfiltered_ones_play() -> None:
+    episodes = {
+        arm.label: (config := load_train_config(arm.config, list(arm.overrides))).candidate_groups
+        * config.rollout.group_size
+        for arm in FINDINGS["filter-ratio"].arms
+    }
+    assert set(episodes.values()) == {128}
+
+
+def ramp(steps: int, top: float) -> list[tuple[int, float]]:
+    return [(step, min(top, step / steps * top * 2)) for step in range(1, steps + 1)]
+
+
+def test_collapse_is_a_lasting_fall_from_a_real_peak() -> None:
+    rise = [(step, 0.6) for step in range(1, 41)]
+    fall = [(step, 0.05) for step in range(41, 81)]
+    step = collapse_step(rise + fall)
+    assert step is not None and 41 < step <= 50  # the rolling mean of 10 crosses half the peak
+    assert collapse_step(rise) is None
+    assert (
+        collapse_step([(step, 0.05 if step % 2 else 0.0) for step in range(1, 200)]) is None
+    )  # never learned
+    assert collapse_step(rise + [(step, 0.45) for step in range(41, 81)]) is None  # a dip, not a collapse
+
+
+def run(seed: int, success: float | None, curve: list[tuple[int, float]]) -> RunResult:
+    return RunResult(seed, Path(f"seed-{seed}"), {"rollout/success": curve}, [], success, len(curve))
+
+
+HEALTHY = [(step, 0.6) for step in range(1, 81)]
+COLLAPSING = HEALTHY[:40] + [(step, 0.0) for step in range(41, 81)]
+
+
+def test_verdicts_say_when_the_runs_go_the_papers_way_and_when_not() -> None:
+    arms = {
+        "a": ArmSummary("a", [run(0, 0.6, HEALTHY), run(1, 0.5, HEALTHY)]),
+        "b": ArmSummary("b", [run(0, 0.1, COLLAPSING), run(1, 0.2, HEALTHY)]),
+    }
+    assert "as the paper found" in verdict(Expectation("a", "b", "success"), arms)
+    assert "**not** as the paper found" in verdict(Expectation("b", "a", "success"), arms)
+    stability = verdict(Expectation("a", "b", "stability"), arms)
+    assert "collapsed in 0/2 seeds" in stability and "1/2" in stability and "**not**" not in stability
+    assert "**not**" in verdict(Expectation("b", "a", "stability"), arms)
+    calm = {"a": arms["a"], "c": ArmSummary("c", [run(0, 0.6, HEALTHY)])}
+    assert "not tested" in verdict(Expectation("a", "c", "stability"), calm)
+    unfinished = {"a": arms["a"], "d": ArmSummary("d", [run(0, None, HEALTHY[:5])])}
+    assert "not every arm finished" in verdict(Expectation("a", "d", "success"), unfinished)
+
+
+def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None:
+    finding = FINDINGS["echo-trap"]
+    arms = {
+        "starpo": ArmSummary("starpo", [run(0, 0.1, COLLAPSING)]),
+        "starpo-s": ArmSummary("starpo-s", [run(0, 0.6, HEALTHY)]),
+    }
+    configs = {arm.label: load_train_config(arm.config, list(arm.overrides)) for arm in finding.arms}
+    report = write_report(finding, arms, configs, "stargym repro echo-trap --seeds 1", tmp_path)
+    text = report.read_text()
+    assert "`stargym repro echo-trap --seeds 1`" in text
+    assert "| starpo | " in text and "| starpo-s | " in text
+    assert f"| {collapse_step(COLLAPSING)} | no |" in text  # starpo's collapse step; no warning fired
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
