@@ -31,6 +31,9 @@ WARNING_COLOUR = "#d62728"
 
 def verdict(expectation: Expectation, arms: dict[str, ArmSummary]) -> str:
     """One line: the paper's direction for two arms, what the runs showed, and whether they agree."""
+    missing = [label for label in (expectation.better, expectation.worse) if label not in arms]
+    if missing:  # a sweep of some arms (--arm)
+        return f"{expectation.better} vs {expectation.worse}: not compared, {' and '.join(missing)} not in this sweep"
     better, worse = arms[expectation.better], arms[expectation.worse]
     if expectation.by == "success":
         high, low = better.mean_success, worse.mean_success

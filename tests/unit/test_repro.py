@@ -68,6 +68,7 @@ def test_verdicts_say_when_the_runs_go_the_papers_way_and_when_not() -> None:
     assert "**not**" in verdict(Expectation("b", "a", "stability"), arms)
     calm = {"a": arms["a"], "c": ArmSummary("c", [run(0, 0.6, HEALTHY)])}
     assert "not tested" in verdict(Expectation("a", "c", "stability"), calm)
+    assert "not compared, e not in this sweep" in verdict(Expectation("a", "e", "success"), arms)
     unfinished = {"a": arms["a"], "d": ArmSummary("d", [run(0, None, HEALTHY[:5])])}
     assert "not every arm finished" in verdict(Expectation("a", "d", "success"), unfinished)
 
