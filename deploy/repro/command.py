@@ -99,16 +99,18 @@ def run_arm(
     )
 
 
-def summarise(finding: Finding, out_dir: Path, seeds: int, arms: list[Arm]) -> dict[str, ArmSummary]:
-    """Every arm's runs that exist on disk, finished or not."""
+def summarise(finding: Finding, out_dir: Path, seeds: int) -> dict[str, ArmSummary]:
+    """Every arm with runs on disk, finished or not: a sweep of some arms (``--arm``) reports
+    beside them what earlier sweeps of the others left."""
     summaries = {}
-    for arm in arms:
+    for arm in finding.arms:
         runs = [
             read_run(run_dir, seed)
             for seed in range(seeds)
             if (run_dir := run_dir_of(out_dir, arm, seed)).is_dir()
         ]
-        summaries[arm.label] = ArmSummary(arm.label, runs)
+        if runs:
+            summaries[arm.label] = ArmSummary(arm.label, runs)
     return summaries
 
 
@@ -130,7 +132,7 @@ def reproduce(
     (under ``reports``, default ``out``); returns the report's path."""
     arms = [finding.arm(label) for label in only] if only else list(finding.arms)
     configs: dict[str, TrainConfig] = {
-        arm.label: load_train_config(arm.config, [*arm.overrides, *extra]) for arm in arms
+        arm.label: load_train_config(arm.config, [*arm.overrides, *extra]) for arm in finding.arms
     }  # every arm's config is checked before the first run starts
     out_dir = out / finding.name
     jobs = [(seed, arm) for seed in range(seeds) for arm in arms]
@@ -147,7 +149,7 @@ def reproduce(
         task = progress.add_task(finding.name, total=len(jobs))
         for _ in pool.map(run, jobs):  # services are processes: threads only wait on them
             progress.advance(task)
-    summaries = summarise(finding, out_dir, seeds, arms)
+    summaries = summarise(finding, out_dir, seeds)
     command = shlex.join(["stargym", *sys.argv[1:]])
     report_dir = (reports or out) / finding.name
     report_dir.mkdir(parents=True, exist_ok=True)

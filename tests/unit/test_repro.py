@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from deploy.repro.analysis import ArmSummary, RunResult, collapse_step
+from deploy.repro.command import run_dir_of, summarise
 from deploy.repro.findings import FINDINGS, Expectation, Finding
 from deploy.repro.report import verdict, write_report
 from deploy.train import load_train_config
@@ -86,3 +88,19 @@ def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None
     assert "| starpo | " in text and "| starpo-s | " in text
     assert f"| {collapse_step(COLLAPSING)} | no |" in text  # starpo's collapse step; no warning fired
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_report_covers_every_arm_with_runs_on_disk(tmp_path: Path) -> None:
+    """A sweep of one arm (--arm) reports beside it what earlier sweeps of other arms left."""
+    finding = FINDINGS["echo-trap"]
+    for arm in finding.arms[:1]:
+        run_dir = run_dir_of(tmp_path, arm, 0)
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text(
+            json.dumps({"step": 1, "time": 0.0, "train/pg_loss": 0.1, "rollout/success": 0.5}) + "\n"
+        )
+        (run_dir / "demo-report.json").write_text(json.dumps({"after": {"success": 0.25}}))
+    summaries = summarise(finding, tmp_path, seeds=3)
+    assert list(summaries) == [finding.arms[0].label]  # the other arm has no run yet
+    (only,) = summaries[finding.arms[0].label].runs
+    assert (only.held_out_success, only.updates, only.curves["rollout/success"]) == (0.25, 1, [(1, 0.5)])
