@@ -72,27 +72,14 @@ def _qwen_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
 
 
 def _train_bpe(corpus: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Vocabulary and merges of a byte-level BPE trained until every piece of ``corpus`` is one
-    token, except that a newline is always a token of its own.
+    """Vocabulary and merges of a byte-level BPE trained until every piece of ``corpus`` is one token.
 
-    Qwen's split keeps a symbol and the newline after it in one piece (``" _\\n"``) but not a
-    letter and its newline (``" G"``, ``"\\n"``), so a grid row was four tokens or five depending
-    on its last tile: the tile below the player sat four or five positions further on, and the
-    last column's ice was a third spelling of ice. Training on pieces split at every newline
-    learns no merge across one, so Qwen's own split at inference cuts those pieces the same way:
-    one token per tile, one per row end (measured on the demo: see ``bench/learning.py``'s results).
     ``tokenizers``' trainer is deterministic for a given corpus and order (checked across hash
     seeds), which is what makes ``model init`` reproducible byte for byte.
     """
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.Split("\n", behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    backend.pre_tokenizer = _qwen_pre_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=UNBOUNDED_VOCAB, min_frequency=1, show_progress=False, special_tokens=SPECIAL_TOKENS
     )

@@ -70,17 +70,6 @@ def test_words_are_single_tokens(model_dir: Path) -> None:
     assert tokenizer.tokenize("Reach G and avoid O.") == ["Reach", "ĠG", "Ġand", "Ġavoid", "ĠO", "."]
 
 
-def test_a_grid_is_one_token_per_tile_and_per_row_end(model_dir: Path) -> None:
-    """Whatever a row's last tile, the row is its tiles and then a newline token: the tile below
-    the player is always the same number of positions further on."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    grid = "P _ _ _\nO _ O _\n_ _ O G\n_ _ _ √\nReach G and avoid O."
-    tokens = tokenizer.tokenize(grid)
-    newline = tokenizer.tokenize("\n")[0]
-    assert [index for index, token in enumerate(tokens) if token == newline] == [4, 9, 14, 19]
-    assert tokenizer.convert_tokens_to_string(tokens) == grid
-
-
 def test_loads_with_auto_classes_and_chats(model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
