@@ -132,7 +132,9 @@ def test_eval_options_override_the_mix_options_key_by_key_in_eval_jobs_only() ->
 
 def test_held_out_episodes_play_the_last_stage_unless_eval_sets_a_turn_limit() -> None:
     schedule = {"curriculum": {"horizon_schedule": [[0, 1], [50, 8]]}, "eval": {"episodes": 1}}
-    assert [job.max_turns for job in make_eval_jobs(TrainConfig.model_validate(schedule), "r", "l", 1, 1)] == [8]
+    assert [
+        job.max_turns for job in make_eval_jobs(TrainConfig.model_validate(schedule), "r", "l", 1, 1)
+    ] == [8]
     fixed = TrainConfig.model_validate(schedule | {"eval": {"episodes": 1, "max_turns": 16}})
     assert [job.max_turns for job in make_eval_jobs(fixed, "r", "l", 1, 1)] == [16]
 

@@ -141,7 +141,10 @@ def test_no_signal_fires_after_its_window_of_flat_batches() -> None:
 
 def test_no_signal_counts_updates_in_a_row() -> None:
     # one batch with a group that varied starts the count again
-    assert feed_signal(EchoTrapDetector(EchoTrapConfig(no_signal_window=5)), [0.0, 0.0, 0.0, 0.0, 0.1] * 10) == []
+    assert (
+        feed_signal(EchoTrapDetector(EchoTrapConfig(no_signal_window=5)), [0.0, 0.0, 0.0, 0.0, 0.1] * 10)
+        == []
+    )
 
 
 def test_no_signal_repeats_after_the_cooldown_while_it_lasts() -> None:
