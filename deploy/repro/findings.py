@@ -234,7 +234,7 @@ ROLLOUT_SHAPING = Finding(
     minutes=5.0,
     notes=(
         "states-16x8 is the recipe itself and the one-action-per-turn arm; several actions per turn "
-        "are separated by || in the reply (max_tokens 2k-1), and the tiny vocabulary has no || token.",
+        "are separated by || in the reply (max_tokens 2k-1), and the tiny vocabulary spells || as two | tokens.",
     ),
 )
 
