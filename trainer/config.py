@@ -265,7 +265,9 @@ class AlgorithmConfig(Section):
     advantage: str = Field(
         default="grpo",
         description="Advantage estimator, a name in trainer.algorithms.registry: gae, grpo, rloo, "
-        "reinforce_pp, or one registered with register_advantage.",
+        "reinforce_pp, the turn-level turn_gae (GAE over turns, needs the critic) and gigpo (GRPO plus "
+        "a comparison of the group's turns taken in the same observation), or one registered with "
+        "register_advantage.",
     )
     norm_adv: Literal["group", "batch", "none"] = Field(
         default="group", description="Advantage normaliser: per-group std (GRPO), batch std, or none."

@@ -51,6 +51,7 @@ from torch import nn
 
 from trainer.algorithms import (
     aggregate_loss,
+    episode_turns,
     kl_penalty,
     masked_whiten,
     place_rewards,
@@ -250,8 +251,13 @@ class PolicyUpdater:
         else:
             token_rewards = place_rewards(batch.scores, mask)
         critic_values = self._critic_values(batch, micros, num_micro) if self.critic is not None else None
+        turns = (
+            {"turns": episode_turns(batch.input_ids, mask, batch.turn_end_indices)}
+            if self.estimator.needs_turns
+            else {}
+        )
         advantages, returns = self.estimator.fn(
-            token_rewards, critic_values, mask, batch.group_ids, self.algo
+            token_rewards, critic_values, mask, batch.group_ids, self.algo, **turns
         )
         if self.algo.whitens_advantages:
             advantages = masked_whiten(advantages, mask, sum_over_ranks=self.parallelism.all_reduce)

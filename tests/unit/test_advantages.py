@@ -19,6 +19,7 @@ from trainer.algorithms.advantages import (
     rloo_advantages,
 )
 from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, CriticValues, register_advantage
+from trainer.algorithms.turn_credit import episode_turns
 from trainer.config import AlgorithmConfig
 
 # One 2-turn episode: prompt P P | reply A A | observation O O | reply A A | template token X.
@@ -211,17 +212,20 @@ def test_every_builtin_estimator_is_registered_and_runs_with_one_signature() -> 
     rewards = place_rewards(torch.tensor([1.0, 0.0]), torch.cat([TWO_TURN_MASK, TWO_TURN_MASK]))
     mask = torch.cat([TWO_TURN_MASK, TWO_TURN_MASK])
     critic = CriticValues(torch.zeros(2, 9), torch.zeros(2))
-    assert {"gae", "grpo", "rloo", "reinforce_pp"} <= set(ADVANTAGE_ESTIMATORS)
+    turns = episode_turns(torch.arange(18).view(2, 9), mask)
+    assert {"gae", "grpo", "rloo", "reinforce_pp", "turn_gae", "gigpo"} <= set(ADVANTAGE_ESTIMATORS)
     for name, estimator in ADVANTAGE_ESTIMATORS.items():
         values = critic if estimator.needs_critic else None
-        advantages, returns = estimator.fn(rewards, values, mask, ["g", "g"], config)
+        extra = {"turns": turns} if estimator.needs_turns else {}
+        advantages, returns = estimator.fn(rewards, values, mask, ["g", "g"], config, **extra)
         assert advantages.shape == returns.shape == (2, 9), name
         assert (advantages * (1 - mask)).abs().sum() == 0, name
-    assert [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic] == ["gae"]
+    assert [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic] == ["gae", "turn_gae"]
+    assert [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.needs_turns] == ["turn_gae", "gigpo"]
 
 
 def test_the_config_accepts_exactly_the_registered_estimators() -> None:
-    with pytest.raises(ValidationError, match="unknown estimator 'ppo'; registered: gae, grpo"):
+    with pytest.raises(ValidationError, match="unknown estimator 'ppo'; registered: gae, gigpo, grpo"):
         AlgorithmConfig(advantage="ppo")
 
     @register_advantage("zero_for_test")

@@ -28,17 +28,25 @@ from trainer.algorithms.losses import (
     value_loss,
 )
 from trainer.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from trainer.algorithms.turn_credit import (
+    EpisodeTurns,
+    episode_turns,
+    step_group_advantages,
+    turn_gae_advantages,
+)
 
 __all__ = [
     "EchoTrapConfig",
     "EchoTrapDetector",
     "EchoTrapEvent",
+    "EpisodeTurns",
     "FilterResult",
     "HorizonSchedule",
     "StageChange",
     "aggregate_loss",
     "entropy_from_logits",
     "episode_scores",
+    "episode_turns",
     "gae_advantages",
     "gather_logprobs",
     "group_rewards_from_batch",
@@ -61,5 +69,7 @@ __all__ = [
     "rloo_advantages",
     "select_groups",
     "selected_logprobs_and_entropy",
+    "step_group_advantages",
+    "turn_gae_advantages",
     "value_loss",
 ]

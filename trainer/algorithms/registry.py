@@ -10,6 +10,8 @@ values: the critic's :class:`CriticValues` for an estimator registered with
     ``needs_critic=True``, None for the others.
 response_mask: ``[B, S]``, 1 on trainable tokens; group_ids: ``[B]``, episodes of one initial state.
 config: the run's :class:`~trainer.config.AlgorithmConfig` (``gamma``, ``lam``, ``norm_adv``, ...).
+An estimator registered with ``needs_turns=True`` is also given ``turns=``, the batch's
+:class:`~trainer.algorithms.turn_credit.EpisodeTurns` (where each turn lies, what it acted on).
 Returns ``(advantages, returns)``, ``[B, S]``, 0 outside the mask; ``returns`` are the critic's
 targets (estimators without a critic return their advantages or reward-to-go there).
 
@@ -39,6 +41,7 @@ from trainer.algorithms.advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
+from trainer.algorithms.turn_credit import EpisodeTurns, step_group_advantages, turn_gae_advantages
 
 if TYPE_CHECKING:
     from trainer.config import AlgorithmConfig
@@ -56,10 +59,9 @@ class CriticValues(NamedTuple):
     bootstrap: torch.Tensor
 
 
-AdvantageFn = Callable[
-    [torch.Tensor, CriticValues | None, torch.Tensor, GroupIds, "AlgorithmConfig"],
-    tuple[torch.Tensor, torch.Tensor],
-]
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``fn(token_rewards, values, response_mask, group_ids, config[, *, turns]) -> (advantages, returns)``
+(see the module docstring); ``turns`` only for an estimator registered with ``needs_turns``."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class AdvantageEstimator:
     """A registered estimator: its function and what the trainer must provide for it.
 
     needs_critic: the trainer trains a critic and passes its :class:`CriticValues`.
+    needs_turns: the trainer splits the batch into turns and passes them as ``turns=``.
     whiten_by_default: whether its advantages are whitened when ``algorithm.whiten_advantages``
         is left unset.
     """
@@ -75,20 +78,23 @@ class AdvantageEstimator:
     fn: AdvantageFn
     needs_critic: bool = False
     whiten_by_default: bool = False
+    needs_turns: bool = False
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
 def register_advantage(
-    name: str, *, needs_critic: bool = False, whiten_by_default: bool = False
+    name: str, *, needs_critic: bool = False, whiten_by_default: bool = False, needs_turns: bool = False
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator: register ``fn`` as the estimator ``name`` (a name is registered once)."""
 
     def register(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, whiten_by_default)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(
+            name, fn, needs_critic, whiten_by_default, needs_turns
+        )
         return fn
 
     return register
@@ -160,3 +166,40 @@ def reinforce_pp(
     """REINFORCE++: discounted reward-to-go, whitened over the batch (part of the method, so
     ``whiten_advantages`` need not repeat it)."""
     return reinforce_plus_plus_advantages(token_rewards, response_mask, config.gamma)
+
+
+@register_advantage("turn_gae", needs_critic=True, whiten_by_default=True, needs_turns=True)
+def turn_gae(
+    token_rewards: torch.Tensor,
+    values: CriticValues | None,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    config: AlgorithmConfig,
+    *,
+    turns: EpisodeTurns,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with turns as its steps: the critic read at turn starts, ``gamma``/``lam`` per turn
+    (:func:`~trainer.algorithms.turn_credit.turn_gae_advantages`)."""
+    if values is None:
+        raise ValueError("the 'turn_gae' estimator needs the critic's values")
+    return turn_gae_advantages(
+        token_rewards, values.values, turns, config.gamma, config.lam, values.bootstrap
+    )
+
+
+@register_advantage("gigpo", needs_turns=True)
+def gigpo(
+    token_rewards: torch.Tensor,
+    values: CriticValues | None,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    config: AlgorithmConfig,
+    *,
+    turns: EpisodeTurns,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO: the episode's GRPO advantage plus a step-level one among the group's turns that
+    acted in the same observation, ``gamma`` per turn
+    (:func:`~trainer.algorithms.turn_credit.step_group_advantages`)."""
+    return step_group_advantages(
+        token_rewards, response_mask, group_ids, turns, config.gamma, config.norm_adv
+    )
