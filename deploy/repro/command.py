@@ -2,7 +2,7 @@
 
     stargym repro echo-trap                       # 2 arms x 3 seeds, 8 minutes a run
     stargym repro filter-ratio --seeds 1 --minutes 3 --out runs/quick
-    stargym repro all                             # the five findings, one after the other
+    stargym repro all                             # every finding, one after the other
 
 Each run is ``make demo``'s machinery (:func:`deploy.demo.train_and_evaluate`: Redis, the env
 server, the CPU engine, a rollout worker and the trainer as real services, then the held-out

@@ -1,4 +1,4 @@
-"""The five findings ``stargym repro`` reruns: their arms, and what the papers saw.
+"""The findings ``stargym repro`` reruns: their arms, and what the papers saw.
 
 An arm is a recipe from ``configs/`` plus ``--set`` overrides; every arm of a finding is trained
 from the same random weights on the same seeds, so only the overrides differ. Each finding states
@@ -19,6 +19,7 @@ from typing import Literal
 
 FROZENLAKE = Path("configs/frozenlake-tiny.yaml")
 BANDIT = Path("configs/bandit-tiny.yaml")
+SOKOBAN = Path("configs/sokoban-tiny.yaml")
 
 CANDIDATE_GROUPS = 16
 """Groups played per update by every arm (the recipes' ``groups_per_batch``)."""
@@ -238,7 +239,29 @@ ROLLOUT_SHAPING = Finding(
     ),
 )
 
+TURN_CREDIT = Finding(
+    name="turn-credit",
+    title="Turn-level credit: an advantage per turn against one per episode",
+    paper=(
+        "GiGPO (verl-agent) and RAGEN's bi-level GAE: crediting each turn (a step-level comparison "
+        "of the turns taken in the same state, or GAE whose steps are turns) trains multi-turn "
+        "agents better than trajectory-level GRPO, which gives every turn of an episode the same "
+        "advantage; GiGPO reported the gain on Sokoban, ALFWorld and WebShop."
+    ),
+    arms=(
+        Arm("grpo", SOKOBAN),
+        Arm("gigpo", SOKOBAN, ("algorithm.advantage=gigpo",)),
+        Arm("turn-gae", SOKOBAN, ("algorithm.advantage=turn_gae", "algorithm.critic.enabled=true")),
+    ),
+    expectations=(Expectation("gigpo", "grpo", "success"), Expectation("turn-gae", "grpo", "success")),
+    minutes=10.0,
+    notes=(
+        "Sokoban 6x6 with one box (configs/sokoban-tiny.yaml: one token a reply, a one-turn stage, "
+        "then 10 and 15 turns); gamma 1, so a turn's reward-to-go is the rest of its episode's return.",
+    ),
+)
+
 FINDINGS: dict[str, Finding] = {
     finding.name: finding
-    for finding in (ECHO_TRAP, FILTER_RATIO, SCALING_INTER, STARPO_S_ABLATION, ROLLOUT_SHAPING)
+    for finding in (ECHO_TRAP, FILTER_RATIO, SCALING_INTER, STARPO_S_ABLATION, ROLLOUT_SHAPING, TURN_CREDIT)
 }

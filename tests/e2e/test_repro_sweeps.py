@@ -1,10 +1,11 @@
 """``stargym repro``: each finding's sweep runs one short arm through the real services and reports.
 
 A smoke test, not the findings themselves (``make repro`` runs those for hours): every finding
-trains one arm for two updates on the tiny FrozenLake policy, evaluates it on 8 held-out seeds
+trains one arm for two updates on a tiny policy of its env, evaluates it on 8 held-out seeds
 and writes its report and plot; run again, the finished run is kept, not trained again. The arms
 chosen cover each sweep's own machinery: the critic (echo-trap's StarPO-S), the variance filter,
-a widening horizon on a 5x5 lake, one component of StarPO-S, several actions per turn.
+a widening horizon on a 5x5 lake, one component of StarPO-S, several actions per turn, turn-level
+credit on Sokoban.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 from deploy.cli import app
 from deploy.model_init import init_tiny_model
 from deploy.repro.command import REPORT_FILE, reproduce, run_dir_of
-from deploy.repro.findings import FINDINGS
+from deploy.repro.findings import FINDINGS, SOKOBAN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(15 * 60)]
 
@@ -28,6 +29,7 @@ ARMS = {
     "scaling-inter": "scaling",
     "starpo-s-ablation": "frozenlake/clip-higher",
     "rollout-shaping": "actions-3",
+    "turn-credit": "gigpo",
 }
 
 
@@ -36,12 +38,20 @@ def lake_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("lake") / "model", 0, ["game/frozenlake"], 20, 8)
 
 
+@pytest.fixture(scope="module")
+def sokoban_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("sokoban") / "model", 0, ["game/sokoban"], 20, 8)
+
+
 @pytest.mark.parametrize("name", list(ARMS))
 def test_a_finding_runs_one_arm_and_reports(
-    name: str, lake_model: Path, tmp_path: Path, empty_redis_url: str
+    name: str, request: pytest.FixtureRequest, tmp_path: Path, empty_redis_url: str
 ) -> None:
     finding = FINDINGS[name]
-    extra = [f"model.path={lake_model}", "optim.total_steps=2", "eval.episodes=8", "checkpoint.save_every=1"]
+    model = request.getfixturevalue(
+        "sokoban_model" if finding.arm(ARMS[name]).config == SOKOBAN else "lake_model"
+    )
+    extra = [f"model.path={model}", "optim.total_steps=2", "eval.episodes=8", "checkpoint.save_every=1"]
 
     def sweep() -> Path:
         return reproduce(
