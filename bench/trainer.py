@@ -16,6 +16,12 @@ Throughput is real (unpadded) tokens per second of update; the overhead is
 computes each group's shared first prompt once (``trainer/shared_prefix.py``), which the bare
 loop, one ordinary pass per micro-batch, does not: on this batch that is 125 of ~240 tokens an
 episode. Results go to ``bench/results/trainer.json``.
+
+``--device cuda``: the batch is still sampled on the CPU, then the batch, both models and both
+timed loops are on the GPU, and every timer is read after ``torch.cuda.synchronize()``. The
+updater's ``bf16: auto`` autocasts to bfloat16 there, so the bare loop runs its forwards under the
+same autocast (on the CPU both are float32). Results go to ``bench/results/trainer-cuda.json``
+(with the GPU's name), so the CPU numbers stay. ``deploy/gpu/check_trainer.sh`` runs it.
 """
 
 from __future__ import annotations
@@ -45,16 +51,27 @@ from trainer.update import PolicyUpdater  # noqa: E402
 
 CONFIG = ROOT / "configs" / "frozenlake-tiny.yaml"
 RESULTS = ROOT / "bench" / "results" / "trainer.json"
+CUDA_RESULTS = ROOT / "bench" / "results" / "trainer-cuda.json"
+# By class path, not the registered id "game/frozenlake": the same env and tiny model, without
+# needing the package's entry-point metadata (`pip install -e .`), which a GPU machine may lack.
+FROZENLAKE = "env_server.envs.game.frozenlake:FrozenLakeEnv"
 ACTIONS = ["Left", "Right", "Up", "Down"]
 
 
 def bare_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TrainBatch, budget: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    budget: int,
+    autocast: bool = False,
 ) -> None:
-    """forward + backward per micro-batch, one optimizer step: the floor an update cannot beat."""
+    """forward + backward per micro-batch, one optimizer step: the floor an update cannot beat.
+    ``autocast``: the forwards in bfloat16 autocast, as the updater's are on a GPU."""
     total = batch.response_mask.sum().clamp(min=1.0)
+    device_type = batch.input_ids.device.type
     for micro in micro_batches(batch, budget):
-        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
         positions = micro.response_mask[:, 1:].bool()
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1][positions].float(), micro.input_ids[:, 1:][positions], reduction="sum"
@@ -68,13 +85,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="Timed rounds of each (after one warm-up).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="Where both loops run: cpu, or cuda (results then go to bench/results/trainer-cuda.json).",
+    )
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, not {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
+    results_path = CUDA_RESULTS if device.type == "cuda" else RESULTS
     if args.threads:
         torch.set_num_threads(args.threads)
+
+    def now() -> float:
+        """``perf_counter`` once the GPU's queued work is done: a timer read waits for the kernels."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     config = load_config(CONFIG)
     budget = config.optim.micro_batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = init_tiny_model(Path(tmp) / "tiny", 0, ["game/frozenlake"], 20, 8)
+        model_dir = init_tiny_model(Path(tmp) / "tiny", 0, [FROZENLAKE], 20, 8)
         model, tokenizer = load_policy(model_dir)
         vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
         stops = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(action))[0] for action in ACTIONS]
@@ -105,9 +140,9 @@ def main() -> None:
             for copy in range(copies)
             for t in sampled
         ][: config.rollout.batch_size]
-        batch = collate(trajectories, tokenizer.pad_token_id)
+        batch = collate(trajectories, tokenizer.pad_token_id).to(device)
         bare_model, _ = load_policy(model_dir)
-        bare_model.train()
+        bare_model.to(device).train()
         bare_optimizer = torch.optim.AdamW(
             bare_model.parameters(),
             lr=config.optim.lr,
@@ -115,19 +150,19 @@ def main() -> None:
             weight_decay=0.0,
             foreach=True,
         )
-        updater = PolicyUpdater(model, config)
+        updater = PolicyUpdater(model, config, device=device)  # moves the sampling model there
 
     tokens = batch.num_tokens
     bare_times: list[float] = []
     update_times: list[float] = []
     metrics: dict[str, float] = {}
     for round_index in range(args.rounds + 1):
-        started = time.perf_counter()
-        bare_step(bare_model, bare_optimizer, batch, budget)
-        bare_s = time.perf_counter() - started
-        started = time.perf_counter()
+        started = now()
+        bare_step(bare_model, bare_optimizer, batch, budget, autocast=updater.autocast)
+        bare_s = now() - started
+        started = now()
         metrics = updater.update(batch)
-        update_s = time.perf_counter() - started
+        update_s = now() - started
         if round_index > 0:  # the first round warms both up
             bare_times.append(bare_s)
             update_times.append(update_s)
@@ -152,20 +187,28 @@ def main() -> None:
         "bare_s": [round(t, 4) for t in bare_times],
         "update_s": [round(t, 4) for t in update_times],
         "last_metrics": {k: round(v, 6) for k, v in metrics.items()},
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "bf16_autocast": updater.autocast,
+        "gpu_max_memory_mib": (
+            round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None
+        ),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(result, indent=1) + "\n")
+    where = result["gpu"] or platform.machine()
+    print(f"device: {device} ({where}), bf16 autocast: {'on' if updater.autocast else 'off'}")
     print(
         f"batch: {batch.size} episodes, {tokens} tokens ({batch.num_trainable_tokens} trainable), "
         f"{result['batch']['micro_batches']} micro-batch(es), sampled in {sample_s:.1f}s"
     )
     print(f"bare forward+backward+step: {bare_tps:,.0f} tokens/s")
     print(f"PolicyUpdater.update:       {update_tps:,.0f} tokens/s")
-    print(f"overhead: {100 * overhead:.1f}% (target <= 15%)  -> {RESULTS.relative_to(ROOT)}")
+    print(f"overhead: {100 * overhead:.1f}% (target <= 15%)  -> {results_path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
