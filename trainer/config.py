@@ -226,7 +226,7 @@ class RolloutConfig(Section):
         default=None,
         ge=1,
         description="Most jobs issued and not yet used (queued, played, or waiting in a complete group); "
-        "None: derived, twice what one batch needs (see TrainConfig.min_inflight).",
+        "None: what max_staleness admits, max_staleness + 1 batches (see TrainConfig.issue_limit).",
     )
     group_timeout_s: float = Field(
         default=1800.0,
@@ -235,7 +235,13 @@ class RolloutConfig(Section):
         "once; still incomplete as long again, it is dropped (rollout/groups_timed_out).",
     )
     max_staleness: int = Field(
-        default=1, ge=0, description="Trajectories older than this many policy versions are dropped."
+        default=1,
+        ge=0,
+        description="Admission control: new groups are issued only while fewer than max_staleness + 1 "
+        "batches of candidate groups are issued and not yet trained, so a trajectory is trained at most "
+        "this many policy versions after the one it was issued under, unless its episode outlasts others "
+        "(it is then trained older, never dropped: the PPO ratio against its behaviour log-probs "
+        "corrects for the lag; counted in rollout/trained_stale).",
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per-turn sampling.")
     action_format: ActionFormat = Field(default="plain", description="plain | answer_tags")
@@ -497,14 +503,14 @@ class TrainConfig(Section):
 
         Complete groups waiting for a batch still hold their slots, so the controller can only
         cut a batch if :attr:`min_inflight` jobs fit in flight at once: below that it would wait
-        forever. Unset, the limit is twice that minimum: one batch of candidates being played
-        while the previous one trains, which is what keeps workers busy without letting
-        trajectories grow stale (with the filter off and defaults: 2 x 16 x 8 = 256). Runs after
+        forever. Unset, the limit is what ``max_staleness`` admits (:attr:`issue_limit`): with the
+        default of 1, one batch of candidates being played while the previous one trains, which
+        keeps workers busy (with the filter off and defaults: 2 x 16 x 8 = 256). Runs after
         :meth:`apply_preset`, which decides whether the StarPO-S filter is on.
         """
         minimum = self.min_inflight
         if self.rollout.max_inflight is None:
-            self.rollout.max_inflight = 2 * minimum
+            self.rollout.max_inflight = self.staleness_limit
             self.rollout.model_fields_set.discard("max_inflight")  # stays derived in to_yaml's eyes
         elif self.rollout.max_inflight < minimum:
             if self.starpo_s.filter.enabled:
@@ -521,7 +527,7 @@ class TrainConfig(Section):
                         "rollout.max_inflight",
                         f"{self.rollout.max_inflight} jobs can never fill a batch: {why} of "
                         f"rollout.group_size={self.rollout.group_size} jobs must be in flight at once, "
-                        f"so the minimum is {minimum}; raise it or leave it out (derived: {2 * minimum})",
+                        f"so the minimum is {minimum}; raise it or leave it out (derived: {self.staleness_limit})",
                     )
                 ]
             )
@@ -544,6 +550,23 @@ class TrainConfig(Section):
     def min_inflight(self) -> int:
         """The smallest ``rollout.max_inflight`` that can ever produce a batch."""
         return self.candidate_groups * self.rollout.group_size
+
+    @property
+    def staleness_limit(self) -> int:
+        """Jobs ``rollout.max_staleness`` admits in flight: ``max_staleness + 1`` batches of candidates.
+
+        As AReaL bounds staleness: when groups are trained in the order they were issued, a
+        batch is cut from the oldest ``candidate_groups`` groups, so with at most ``K + 1`` batches
+        issued and not yet trained, a group issued under version ``v`` is trained by version
+        ``v + K``. Issuing is what is held back; nothing is dropped for its age.
+        """
+        return (self.rollout.max_staleness + 1) * self.min_inflight
+
+    @property
+    def issue_limit(self) -> int:
+        """Jobs the controller lets be in flight: ``rollout.max_inflight``, at most :attr:`staleness_limit`."""
+        assert self.rollout.max_inflight is not None  # derived by the validator
+        return min(self.rollout.max_inflight, self.staleness_limit)
 
     @property
     def run_dir(self) -> Path:

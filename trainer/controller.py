@@ -6,16 +6,22 @@ on the trainer's side:
 * **issuing**: each new *group* draws an env from the config's mix (by weight) and the next seed
   of the train split; its ``group_size`` jobs share env, seed and ``group_id`` and get distinct
   sampling seeds. Max turns come from the ScalingInter-RL schedule at the current update step,
-  ``policy_version`` is the version being served. At most ``max_inflight`` jobs are outstanding:
-  issued and not yet disposed of (queued, being played, or delivered and waiting for a batch),
-  so rollouts never run more than about one batch ahead of the updates. The config guarantees
-  the limit fits one batch of candidate groups (:attr:`TrainConfig.min_inflight`), so waiting for
-  a batch always ends.
+  ``policy_version`` is the version being served. At most :attr:`TrainConfig.issue_limit` jobs
+  are outstanding: issued and not yet disposed of (queued, being played, or delivered and waiting
+  for a batch). That limit is the staleness bound, enforced where it costs nothing (admission
+  control, as AReaL does): ``max_staleness + 1`` batches of candidate groups at most, so a group
+  issued under version ``v`` is trained by version ``v + max_staleness`` when groups finish in
+  the order they were issued (``rollout.max_inflight`` can lower it). The config guarantees the
+  limit fits one batch of candidate groups (:attr:`TrainConfig.min_inflight`), so waiting for a
+  batch always ends.
 * **grouping**: trajectories are consumed in the ``trainer`` group and collected by ``group_id``;
   a group is *complete* when all ``group_size`` of its members arrived. A complete group with
   an untrainable member (``Trajectory.untrainable_reason``: failed episode, text-only) is dropped,
-  the reason logged and counted; so is a group older than ``max_staleness`` policy versions when
-  a batch is assembled.
+  the reason logged and counted. A group is *never* dropped for its age: dropping the groups older
+  than ``max_staleness`` drops long episodes (which span more updates) more often than short ones
+  and biases training toward short episodes. A batch takes the oldest complete groups first; one
+  that outlasted the bound anyway (a long episode among short ones) is trained, its lag corrected
+  by the PPO ratio against its recorded behaviour log-probs, and counted (``trained_stale``).
 * **lost jobs**: a group not complete ``group_timeout_s`` after it was issued (a job lost with
   its worker, a poison job) has its *missing members* re-issued once, under new job ids
   (``<group>-<member>-r1``) with the same env, seed, sampling seed and max turns, so the group
@@ -126,7 +132,7 @@ class Group:
 
 @dataclass
 class Batch:
-    """What one update trains on: ``groups_per_batch`` complete, fresh, trainable groups."""
+    """What one update trains on: ``groups_per_batch`` complete, trainable groups."""
 
     groups: list[Group]
     kept_ratio: float
@@ -187,7 +193,7 @@ class Controller:
         self.redis = redis
         self.consumer = consumer
         self.poll_ms = poll_ms
-        self.max_inflight: int = config.rollout.max_inflight
+        self.max_inflight: int = config.issue_limit
         self.keys = RunKeys(config.run.name)
         self.jobs: StreamQueue[RolloutJob] = job_queue(redis, self.keys)
         self.trajectories: StreamQueue[Trajectory] = trajectory_queue(redis, self.keys)
@@ -203,7 +209,7 @@ class Controller:
                 "jobs_issued",
                 "trajectories_consumed",
                 "trajectories_used",
-                "dropped_stale",
+                "trained_stale",
                 "dropped_untrainable",
                 "dropped_foreign",
                 "duplicates",
@@ -229,7 +235,6 @@ class Controller:
         self._pump_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._reason_logs = 0
-        self._newest_stale_version: int | None = None  # of the groups dropped as stale
         self._last_untrainable: str | None = None  # why the last group dropped as untrainable was
         self._last_delivery = time.monotonic()
         self._last_stall_check = 0.0
@@ -249,13 +254,18 @@ class Controller:
         if state:
             self.load_state_dict(state)
         self.set_progress(step, policy_version)
-        derived = "rollout.max_inflight" not in self.config.rollout.model_fields_set
+        rollout = self.config.rollout
+        bound = (
+            f"max_staleness {rollout.max_staleness}: {rollout.max_staleness + 1} batch(es) of candidates"
+            if self.max_inflight == self.config.staleness_limit
+            else "rollout.max_inflight"
+        )
         logger.info(
             "in-flight limit %d jobs (%s; one batch needs %d candidate groups of %d)",
             self.max_inflight,
-            "derived: twice one batch" if derived else "rollout.max_inflight",
+            bound,
             self.config.candidate_groups,
-            self.config.rollout.group_size,
+            rollout.group_size,
         )
         await self.jobs.ensure_group()
         await self.trajectories.ensure_group()
@@ -589,37 +599,16 @@ class Controller:
         if self._reason_logs <= _MAX_REASON_LOGS:
             logger.warning(message)
         elif self._reason_logs == _MAX_REASON_LOGS + 1:
-            logger.warning("further drops are counted in rollout/dropped_* only")
+            logger.warning(
+                "further drops and stale groups are counted in rollout/dropped_* and rollout/trained_stale only"
+            )
 
     # -- batches --------------------------------------------------------------------------------
 
-    def _drop_stale(self) -> None:
-        limit = self.policy_version - self.config.rollout.max_staleness
-        fresh = []
-        for group in self._ready:
-            if group.oldest_version < limit:
-                self.counters["dropped_stale"] += len(group.entries)
-                self._newest_stale_version = max(self._newest_stale_version or 0, group.oldest_version)
-                self._drop(
-                    group,
-                    "stale",
-                    f"sampled under v{group.oldest_version}, now v{self.policy_version} "
-                    f"(max_staleness {self.config.rollout.max_staleness})",
-                )
-            else:
-                fresh.append(group)
-        self._ready = fresh
-
-    def _stall_reason(self, waited_s: float, stale: int, untrainable: int) -> str:
-        """Why no batch came for ``waited_s``: the words a user needs, not only counters. ``stale``
-        and ``untrainable``: trajectories dropped as such while it waited."""
+    def _stall_reason(self, waited_s: float, untrainable: int) -> str:
+        """Why no batch came for ``waited_s``: the words a user needs, not only counters.
+        ``untrainable``: trajectories dropped as such while it waited."""
         waiting = f"no update batch for {waited_s:.0f} s ({len(self._ready)}/{self.config.candidate_groups} groups ready)"
-        if stale:
-            return (
-                f"{waiting}: {stale} trajectories dropped as stale meanwhile, the newest sampled under "
-                f"v{self._newest_stale_version} while the policy is v{self.policy_version}. The engines are "
-                "not serving new policies: see the rollout workers' logs (a failing policy reload?)"
-            )
         if untrainable:
             return (
                 f"{waiting}: {untrainable} trajectories came back untrainable meanwhile (failed episodes), "
@@ -628,24 +617,20 @@ class Controller:
         return f"{waiting}: {self._outstanding_jobs} jobs issued and not back; are rollout workers running on this run?"
 
     async def next_batch(self, timeout_s: float | None = None) -> Batch:
-        """Wait for enough complete, fresh groups and cut one update batch (for step ``step + 1``)."""
+        """Wait for enough complete groups and cut one update batch (for step ``step + 1``), the oldest first."""
         started = warned = time.monotonic()
-        stale_before = self.counters["dropped_stale"]
         untrainable_before = self.counters["dropped_untrainable"]
         needed = self.config.candidate_groups
         while True:
             if self._error is not None:
                 raise RuntimeError("the controller's background loop failed") from self._error
-            self._drop_stale()
             if len(self._ready) >= needed:
                 break
             if time.monotonic() - warned >= STALL_WARNING_S:
                 warned = time.monotonic()
                 logger.warning(
                     self._stall_reason(
-                        warned - started,
-                        self.counters["dropped_stale"] - stale_before,
-                        self.counters["dropped_untrainable"] - untrainable_before,
+                        warned - started, self.counters["dropped_untrainable"] - untrainable_before
                     )
                 )
             self._changed.clear()
@@ -654,7 +639,11 @@ class Controller:
                 raise TimeoutError(f"no batch within {timeout_s} s ({len(self._ready)}/{needed} groups)")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=min(remaining or 5.0, 5.0))
+        # The oldest first (stable: in order of completion within a version), so a straggler
+        # is trained as soon as it is complete and the staleness bound holds for the rest.
+        self._ready.sort(key=lambda group: group.oldest_version)
         candidates, self._ready = self._ready[:needed], self._ready[needed:]
+        self._count_stale(candidates)
         groups_per_batch = self.config.rollout.groups_per_batch
         flt = self.config.starpo_s.filter
         filtered: list[Group] = []
@@ -689,6 +678,20 @@ class Controller:
             }
         )
         return batch
+
+    def _count_stale(self, groups: list[Group]) -> None:
+        """Count (and say, a few times) the trajectories trained older than ``max_staleness``: an
+        episode that outlasted that many updates, or engines that do not serve new policies."""
+        limit = self.config.rollout.max_staleness
+        for group in groups:
+            lag = self.policy_version - group.oldest_version
+            if lag > limit:
+                self.counters["trained_stale"] += len(group.entries)
+                self._log_reason(
+                    f"group {group.group_id} trained {lag} versions old (max_staleness {limit}): an episode "
+                    "that outlasted the others, or engines not serving new policies (see the rollout "
+                    "workers' logs if rollout/staleness keeps growing)"
+                )
 
     # -- acknowledging --------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The trainer's controller against a real Redis: issuing, grouping, staleness, StarPO-S, acks.
+"""The trainer's controller against a real Redis: issuing, grouping, admission by staleness, StarPO-S, acks.
 
 Trajectories are published by the test itself (as a rollout worker would), so every case is
 exact and fast; the whole system with real workers is tested in tests/e2e/.
@@ -99,10 +99,10 @@ async def test_issues_groups_up_to_max_inflight(client: redis.asyncio.Redis, tmp
         await controller.close()
 
 
-async def test_batches_complete_groups_drops_stale_and_untrainable_acks_on_commit(
+async def test_batches_complete_groups_oldest_first_trains_stale_ones_drops_untrainable_acks_on_commit(
     client: redis.asyncio.Redis, tmp_path: Path
 ) -> None:
-    controller = Controller(make_config(max_inflight=10), client, run_dir=tmp_path)
+    controller = Controller(make_config(max_inflight=10, max_staleness=2), client, run_dir=tmp_path)
     await controller.start()
     trajectories = trajectory_queue(client, KEYS)
     try:
@@ -124,9 +124,10 @@ async def test_batches_complete_groups_drops_stale_and_untrainable_acks_on_commi
         assert await controller.commit(step=1) == 6  # used (4) and dropped (2)
         assert await trajectories.pending_count() == 1  # the half-played group waits
 
-        # Version 3 now: a group sampled under version 1 is more than max_staleness=1 behind.
+        # Version 3 now. Two newer groups complete first, then group 3, begun under version 0: a
+        # long episode, 3 versions behind (max_staleness 2). It is the oldest, so it goes first,
+        # and it is trained, not dropped.
         controller.set_progress(step=3, policy_version=3)
-        await trajectories.publish(trajectory(groups[3][1], 0.5, version=1))
         for job in groups[4]:
             await trajectories.publish(trajectory(job, 1.0, version=2))
         more = await issued_jobs(client, 100)  # issued as soon as the first batch freed slots
@@ -135,13 +136,45 @@ async def test_batches_complete_groups_drops_stale_and_untrainable_acks_on_commi
         assert {job.policy_version for job in later} == {3}
         for job in more[:2]:
             await trajectories.publish(trajectory(job, 0.0, version=3))
+        await trajectories.publish(trajectory(groups[3][1], 0.5, version=1))
+
+        async def three_ready() -> bool:
+            return (await controller.queue_metrics())["system/ready_groups"] == 3
+
+        await eventually(three_ready, "three complete groups")
         batch = await controller.next_batch(timeout_s=10)
-        assert controller.counters["dropped_stale"] == 2
-        assert [g.group_id for g in batch.groups] == [groups[4][0].group_id, more[0].group_id]
+        assert [g.group_id for g in batch.groups] == [groups[3][0].group_id, groups[4][0].group_id]
+        assert controller.counters["trained_stale"] == 2  # group 3's two; group 4 is 1 version old
+        assert "dropped_stale" not in controller.counters
     finally:
         await controller.close()
     events = [record["event"] for record in read_controller_log(tmp_path)]
     assert {"start", "issue", "group", "drop", "batch", "commit"} <= set(events)
+
+
+async def test_max_staleness_admits_that_many_batches_ahead_and_no_more(
+    client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    # max_inflight 8 has room for 4 groups of 2; max_staleness 0 admits one batch (2 groups) only:
+    # the next is issued when that one has been cut, so every trajectory is fresh.
+    config = make_config(max_inflight=8, max_staleness=0)
+    assert (config.staleness_limit, config.issue_limit) == (4, 4)
+    controller = Controller(config, client, run_dir=tmp_path)
+    await controller.start()
+    trajectories = trajectory_queue(client, KEYS)
+    try:
+        jobs = await issued_jobs(client, 100)
+        assert len(jobs) == 4 and controller.outstanding == 4
+        assert await issued_jobs(client, 100) == []  # nothing more while they are out
+        for job in jobs:
+            await trajectories.publish(trajectory(job, 1.0))
+        await controller.next_batch(timeout_s=10)
+        controller.set_progress(step=1, policy_version=1)
+        more = await issued_jobs(client, 100)
+        assert len(more) == 4
+    finally:
+        await controller.close()
+    assert make_config(max_staleness=3).issue_limit == 8  # max_inflight is the tighter bound there
 
 
 async def test_starpo_s_keeps_the_highest_std_groups(client: redis.asyncio.Redis, tmp_path: Path) -> None:
@@ -397,7 +430,8 @@ async def test_a_stalled_batch_says_why_in_the_log(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Engines stuck on an old policy make every trajectory stale: the trainer says so, not only counts."""
+    """No worker, engines stuck on an old policy, every episode failing: the trainer says which,
+    not only counts."""
     monkeypatch.setattr(controller_module, "STALL_WARNING_S", 0.5)
     controller = Controller(make_config(max_inflight=4), client, run_dir=tmp_path)
     await controller.start()
@@ -408,17 +442,15 @@ async def test_a_stalled_batch_says_why_in_the_log(
                 await controller.next_batch(timeout_s=1.5)
             assert "4 jobs issued and not back" in caplog.text
             caplog.clear()
+            # Engines stuck on v0 while the policy is v3: trained (never dropped), and said.
             controller.set_progress(step=3, policy_version=3)
             for job in await issued_jobs(client, 100):
                 await trajectories.publish(trajectory(job, 1.0, version=0))
-            with pytest.raises(TimeoutError):
-                await controller.next_batch(timeout_s=1.5)
-        stalls = [r.message for r in caplog.records if r.message.startswith("no update batch")]
-        assert stalls, caplog.text
-        assert (
-            "4 trajectories dropped as stale" in stalls[0] and "under v0 while the policy is v3" in stalls[0]
-        )
-        assert "failing policy reload" in stalls[0]
+            batch = await controller.next_batch(timeout_s=10)
+        assert len(batch.trajectories) == 4 and controller.counters["trained_stale"] == 4
+        stale = [r.message for r in caplog.records if "versions old" in r.message]
+        assert stale and "trained 3 versions old (max_staleness 1)" in stale[0], caplog.text
+        assert "engines not serving new policies" in stale[0]
         caplog.clear()
         with caplog.at_level("WARNING", logger="trainer.controller"):
             # Every episode fails (an env server that errors on every step): the trainer says so.
