@@ -22,6 +22,11 @@ timed loops are on the GPU, and every timer is read after ``torch.cuda.synchroni
 updater's ``bf16: auto`` autocasts to bfloat16 there, so the bare loop runs its forwards under the
 same autocast (on the CPU both are float32). Results go to ``bench/results/trainer-cuda.json``
 (with the GPU's name), so the CPU numbers stay. ``deploy/gpu/check_trainer.sh`` runs it.
+
+``--shape qwen2.5-0.5b``: the same batch through a model of Qwen2.5-0.5B's architecture (24 layers,
+hidden 896, 14 query and 2 key-value heads, a 151,936-token vocabulary; random weights, since no
+weights can be fetched here) instead of the tiny one, to see where an update's time goes at a real
+model's size. Results then go to ``trainer-<shape>[-cuda].json``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,40 @@ CUDA_RESULTS = ROOT / "bench" / "results" / "trainer-cuda.json"
 # needing the package's entry-point metadata (`pip install -e .`), which a GPU machine may lack.
 FROZENLAKE = "env_server.envs.game.frozenlake:FrozenLakeEnv"
 ACTIONS = ["Left", "Right", "Up", "Down"]
+SHAPES: dict[str, dict[str, object]] = {
+    "tiny": {},
+    # Qwen2.5-0.5B's config.json (the architecture only: the weights stay random).
+    "qwen2.5-0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "max_window_layers": 24,
+        "layer_types": ["full_attention"] * 24,
+    },
+}
+
+
+def shaped_model(tiny_dir: Path, shape: str, out: Path) -> Path:
+    """``tiny_dir``'s tokenizer and config with ``SHAPES[shape]`` on top, random weights (seed 0)."""
+    if not SHAPES[shape]:
+        return tiny_dir
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    config.update(SHAPES[shape])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(out)
+    return out
 
 
 def bare_step(
@@ -85,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="Timed rounds of each (after one warm-up).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="The model's architecture.")
     parser.add_argument(
         "--device",
         default="cpu",
@@ -97,6 +137,8 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
     results_path = CUDA_RESULTS if device.type == "cuda" else RESULTS
+    if args.shape != "tiny":
+        results_path = results_path.with_name(results_path.name.replace("trainer", f"trainer-{args.shape}"))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -109,13 +151,15 @@ def main() -> None:
     config = load_config(CONFIG)
     budget = config.optim.micro_batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = init_tiny_model(Path(tmp) / "tiny", 0, [FROZENLAKE], 20, 8)
+        tiny_dir = init_tiny_model(Path(tmp) / "tiny", 0, [FROZENLAKE], 20, 8)
+        model_dir = shaped_model(tiny_dir, args.shape, Path(tmp) / args.shape)
         model, tokenizer = load_policy(model_dir)
         vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
         stops = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(action))[0] for action in ACTIONS]
         started = time.perf_counter()
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # one-token forwards: threads only add overhead
+        if args.shape == "tiny":
+            torch.set_num_threads(1)  # one-token forwards of the tiny model: threads only add overhead
         sampled_groups = config.rollout.groups_per_batch
         sampled = synthetic_trajectories(
             model,
@@ -187,6 +231,8 @@ def main() -> None:
         "bare_s": [round(t, 4) for t in bare_times],
         "update_s": [round(t, 4) for t in update_times],
         "last_metrics": {k: round(v, 6) for k, v in metrics.items()},
+        "shape": args.shape,
+        "parameters": sum(p.numel() for p in bare_model.parameters()),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "bf16_autocast": updater.autocast,
@@ -201,7 +247,10 @@ def main() -> None:
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps(result, indent=1) + "\n")
     where = result["gpu"] or platform.machine()
-    print(f"device: {device} ({where}), bf16 autocast: {'on' if updater.autocast else 'off'}")
+    print(
+        f"device: {device} ({where}), model: {args.shape} ({result['parameters']:,} parameters), "
+        f"bf16 autocast: {'on' if updater.autocast else 'off'}"
+    )
     print(
         f"batch: {batch.size} episodes, {tokens} tokens ({batch.num_trainable_tokens} trainable), "
         f"{result['batch']['micro_batches']} micro-batch(es), sampled in {sample_s:.1f}s"

@@ -7,7 +7,9 @@
 # default `bf16: auto` on a GPU) a finite update that moves the weights, within bfloat16 rounding
 # of the float32 one. Then it measures the update: `bench/trainer.py --device cuda --rounds 3`
 # (PolicyUpdater.update against a bare loop on the frozenlake-tiny batch, timers read after
-# torch.cuda.synchronize()), into bench/results/trainer-cuda.json.
+# torch.cuda.synchronize()), into bench/results/trainer-cuda.json, and the same batch through a
+# random-weight model of Qwen2.5-0.5B's architecture (`--shape qwen2.5-0.5b`), into
+# bench/results/trainer-qwen2.5-0.5b-cuda.json.
 #
 # Needs: an NVIDIA GPU with its driver, python3 (3.11 or newer) with torch (a CUDA build),
 # transformers, tokenizers, safetensors, numpy, pyyaml, typer, httpx and pytest; no network and
@@ -28,6 +30,7 @@
 #   deploy/gpu/check_trainer.sh
 # Settings (environment):
 #   PYTHON          interpreter (default python3)
+#   BENCH_SHAPES    bench/trainer.py --shape values to measure (default "tiny qwen2.5-0.5b")
 #   SITE_DIR        where the wheels go (default /tmp/site)
 #   TEST_TIMEOUT_S  limit for the tests (default 300 s); BENCH_TIMEOUT_S for the benchmark (300 s)
 #   BENCH_ROUNDS    timed rounds of the benchmark (default 3)
@@ -41,7 +44,8 @@ SITE_DIR="${SITE_DIR:-/tmp/site}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-300}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-300}"
 BENCH_ROUNDS="${BENCH_ROUNDS:-3}"
-RESULTS=bench/results/trainer-cuda.json
+BENCH_SHAPES="${BENCH_SHAPES:-tiny qwen2.5-0.5b}"  # bench/trainer.py --shape: each its own results file
+RESULTS=()
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/stargym-check-trainer.XXXXXX")"
 LOG="$WORK/check_trainer.log"
 JUNIT="$WORK/test_update_cuda.xml"
@@ -72,12 +76,14 @@ finish() {
     local elapsed=$(($(date +%s) - started))
     if [ -n "${OUT:-}" ]; then
         mkdir -p "$OUT"
-        [ -f "$RESULTS" ] && cp "$RESULTS" "$OUT/"
+        for results in "${RESULTS[@]}"; do
+            [ -f "$results" ] && cp "$results" "$OUT/"
+        done
         [ -f "$JUNIT" ] && cp "$JUNIT" "$OUT/"
     fi
     if [ "${#failures[@]}" -eq 0 ]; then
         say "PASS: PolicyUpdater.update on $gpu: float32 equals the CPU's update, bf16 autocast is" \
-            "finite and within bfloat16 rounding; throughput in $RESULTS ($elapsed s)"
+            "finite and within bfloat16 rounding; throughput in ${RESULTS[*]} ($elapsed s)"
         status=0
     else
         say "FAIL: ${failures[*]} ($elapsed s)"
@@ -137,13 +143,17 @@ run "tests/gpu (STARGYM_REQUIRE_CUDA=1)" "$TEST_TIMEOUT_S" env STARGYM_REQUIRE_C
     "$PYTHON" -m pytest tests/gpu -q -rA -p no:cacheprovider --basetemp "$WORK/pytest" \
     --junitxml "$JUNIT"
 
-rm -f "$RESULTS"
-run "bench/trainer.py --device cuda --rounds $BENCH_ROUNDS" "$BENCH_TIMEOUT_S" \
-    "$PYTHON" bench/trainer.py --device cuda --rounds "$BENCH_ROUNDS"
-if [ -f "$RESULTS" ]; then
-    cat "$RESULTS" | tee -a "$LOG"
-else
-    failures+=("no $RESULTS")
-fi
+for shape in $BENCH_SHAPES; do
+    if [ "$shape" = tiny ]; then results=bench/results/trainer-cuda.json; else results="bench/results/trainer-$shape-cuda.json"; fi
+    RESULTS+=("$results")
+    rm -f "$results"
+    run "bench/trainer.py --device cuda --shape $shape --rounds $BENCH_ROUNDS" "$BENCH_TIMEOUT_S" \
+        "$PYTHON" bench/trainer.py --device cuda --shape "$shape" --rounds "$BENCH_ROUNDS"
+    if [ -f "$results" ]; then
+        tee -a "$LOG" <"$results"
+    else
+        failures+=("no $results")
+    fi
+done
 
 finish
