@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from deploy.demo import train_and_evaluate
 from deploy.repro.analysis import ArmSummary, read_run
 from deploy.repro.findings import FINDINGS, Arm, Finding
-from deploy.repro.report import write_report
+from deploy.repro.report import write_index, write_report
 from deploy.train import load_train_config
 from trainer.config import TrainConfig
 
@@ -154,7 +154,8 @@ def reproduce(
     report_dir = (reports or out) / finding.name
     report_dir.mkdir(parents=True, exist_ok=True)
     report = write_report(finding, summaries, configs, command, report_dir)
-    console.print(f"{finding.name}: wrote {report} and {report.with_name('curves.png')}")
+    index = write_index(reports or out, list(FINDINGS.values()))
+    console.print(f"{finding.name}: wrote {report}, {report.with_name('curves.png')} and {index}")
     return report
 
 

@@ -1,4 +1,5 @@
-"""A finding's report: curves per arm (PNG) and ``report.md`` with the table and the verdicts.
+"""A finding's report: curves per arm (PNG) and ``report.md`` with the table and the verdicts;
+and the index of every finding reported under one directory (``README.md``).
 
 The curves are training-time numbers per update (success, in-group reward std, entropy, gradient
 norm), the mean over seeds with a band from the lowest to the highest seed, ScalingInter-RL stage
@@ -173,5 +174,36 @@ def write_report(
         "",
     ]
     path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+INDEX_FILE = "README.md"
+
+
+def write_index(reports_dir: Path, findings: list[Finding]) -> Path:
+    """``reports_dir/README.md``: every finding, its command, and its verdicts where its report is
+    on disk (reports are written one finding at a time, so a sweep spread over several sessions
+    leaves some findings not yet run: the index says which). Returns its path."""
+    lines = [
+        "# Reproductions of RAGEN and AgentGym-RL at CPU scale",
+        "",
+        "Written by `stargym repro` (`make repro` runs every finding). Each finding's report has the "
+        "command, the machine, every arm's overrides, held-out success, each seed's step of collapse "
+        "and the curves.",
+        "",
+    ]
+    for finding in findings:
+        report = reports_dir / finding.name / "report.md"
+        lines.append(f"## {finding.title}")
+        lines.append("")
+        if not report.exists():
+            lines += [f"Not run yet: `stargym repro {finding.name}`.", ""]
+            continue
+        text = report.read_text()
+        verdicts = text.split("## Verdicts", 1)[-1].split("## Arms", 1)[0].strip()
+        command = next((line for line in text.splitlines() if line.startswith("**Command.**")), "")
+        lines += [f"[{finding.name}/report.md]({finding.name}/report.md) · {command}", "", verdicts, ""]
+    path = reports_dir / INDEX_FILE
     path.write_text("\n".join(lines))
     return path

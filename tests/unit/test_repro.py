@@ -10,7 +10,7 @@ import pytest
 from deploy.repro.analysis import ArmSummary, RunResult, collapse_step
 from deploy.repro.command import run_dir_of, summarise
 from deploy.repro.findings import FINDINGS, Expectation, Finding
-from deploy.repro.report import verdict, write_report
+from deploy.repro.report import verdict, write_index, write_report
 from deploy.train import load_train_config
 
 
@@ -104,3 +104,20 @@ def test_a_report_covers_every_arm_with_runs_on_disk(tmp_path: Path) -> None:
     assert list(summaries) == [finding.arms[0].label]  # the other arm has no run yet
     (only,) = summaries[finding.arms[0].label].runs
     assert (only.held_out_success, only.updates, only.curves["rollout/success"]) == (0.25, 1, [(1, 0.5)])
+
+
+def test_the_index_lists_every_finding_with_its_verdicts_or_says_it_was_not_run(tmp_path: Path) -> None:
+    finding = FINDINGS["echo-trap"]
+    arms = {
+        "starpo": ArmSummary("starpo", [run(0, 0.1, COLLAPSING)]),
+        "starpo-s": ArmSummary("starpo-s", [run(0, 0.6, HEALTHY)]),
+    }
+    configs = {arm.label: load_train_config(arm.config, list(arm.overrides)) for arm in finding.arms}
+    (tmp_path / finding.name).mkdir()
+    write_report(finding, arms, configs, "stargym repro echo-trap --seeds 1", tmp_path / finding.name)
+    index = write_index(tmp_path, list(FINDINGS.values())).read_text()
+    assert "[echo-trap/report.md](echo-trap/report.md)" in index
+    assert "starpo-s collapses less or later than starpo" in index  # its verdicts, copied
+    for other in FINDINGS:
+        if other != "echo-trap":
+            assert f"Not run yet: `stargym repro {other}`." in index
