@@ -13,6 +13,13 @@ A prefill pass takes the waiting prompts (after the cached part of each) togethe
 most. ``prefill_tokens=None`` is the engine before batched prefill: each prompt whole, in a pass
 of its own (``bench/rollout.py`` runs both side by side).
 
+Per-sequence work is paid only by the sequences that ask for it: penalties and ``logit_bias``
+(:func:`rollout_server.engine.sampling.penalise`, on their rows only), the most likely tokens
+at each step (``top_logprobs``), the decoded text for stop strings and streaming
+(:class:`rollout_server.engine.detokenize.IncrementalText`, so a sequence that meets a stop
+string leaves the batch at that step), and a callback after each token (``on_token``, which a
+streaming handler uses to hand the token to its event loop).
+
 Bounded memory: at most ``max_num_seqs`` sequences are admitted (running, queued, or held by a
 pause), and each is at most ``max_model_len`` tokens; past either the caller gets an error
 instead of a queue that grows without limit.
@@ -34,10 +41,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from rollout_server.engine.detokenize import IncrementalText
 from rollout_server.engine.kv_cache import BatchKVCache, LayerKV
 from rollout_server.engine.prefill import Chunk, forward_chunks, plan_chunks
 from rollout_server.engine.prefix_cache import PrefixCache
-from rollout_server.engine.sampling import SequenceSampling, sample
+from rollout_server.engine.sampling import SequenceSampling, draw, penalise, top_logprobs
+from services.logits import processed_logprobs
 from services.policy import load_weights_into
 
 log = logging.getLogger(__name__)
@@ -68,21 +77,32 @@ class Sequence:
     Its random draws come from a ``torch.Generator`` of its own, seeded by the request, and are
     drawn up front (one uniform per token it may sample): the same seed gives the same tokens
     whatever else is in the batch, and a step costs no generator calls.
+
+    ``text`` (needed for ``params.stop``, and by streams) is updated by the engine thread after
+    each token; ``on_token(sequence)`` is called there after each token too, once it is known
+    whether the token finished the sequence (``done`` resolves after the last call).
     """
 
     prompt: list[int]
     params: SequenceSampling
+    text: IncrementalText | None = None
+    on_token: Callable[[Sequence], None] | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if asked
     finish_reason: FinishReason | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     done: Future[Sequence] = field(default_factory=Future)
     uniforms: list[float] = field(init=False)
     weights_generation: int = field(default=0, init=False)  # weights its KV was computed with
     prefilled: int = field(default=0, init=False)  # prompt tokens whose KV is in prefill_kv
     prefill_kv: list[LayerKV] = field(default_factory=list, init=False)
+    output_counts: torch.Tensor | None = field(default=None, init=False)  # [vocab], for penalties
+    prompt_seen: torch.Tensor | None = field(default=None, init=False)  # [vocab] bool, for penalties
 
     def __post_init__(self) -> None:
+        if self.params.stop and self.text is None:
+            raise ValueError("stop strings need the sequence's text (an IncrementalText)")
         seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(63)
         generator = torch.Generator().manual_seed(seed % 2**63)
         self.uniforms = torch.rand(self.params.max_tokens, generator=generator, dtype=torch.float64).tolist()
@@ -317,7 +337,7 @@ class Engine:
             sequence.prefill_kv = []
             sequence.weights_generation = self._weights_generation
             self.stats.prefills += 1
-            if self._finished(sequence):
+            if self._after_token(sequence):
                 self._prefixes.insert(sequence.prompt, [(k.clone(), v.clone()) for k, v in kv[row]])
                 self._release(sequence)
             else:
@@ -340,26 +360,79 @@ class Engine:
         self._sample(self._running, output.logits[:, -1])
         # Highest row first: removing a row moves the last one into its place.
         for row in range(len(self._running) - 1, -1, -1):
-            if self._finished(self._running[row]):
+            if self._after_token(self._running[row]):
                 self._leave(row)
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         params = [sequence.params for sequence in sequences]
         uniforms = torch.tensor([sequence.uniforms[len(sequence.output)] for sequence in sequences])
-        tokens, logprobs = sample(
+        temperature = torch.tensor([p.temperature for p in params])
+        logits = self._penalised(sequences, logits)
+        logprobs = processed_logprobs(
             logits,
-            torch.tensor([p.temperature for p in params]),
+            temperature,
             torch.tensor([p.top_p for p in params]),
             torch.tensor([p.top_k for p in params]),
-            uniforms,
         )
-        for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist(), strict=True):
+        tokens, chosen = draw(logits, logprobs, temperature, uniforms)
+        self._record_top_logprobs(sequences, logprobs)
+        for sequence, token, logprob in zip(sequences, tokens.tolist(), chosen.tolist(), strict=True):
             sequence.output.append(token)
             sequence.logprobs.append(logprob)
+            if sequence.output_counts is not None:
+                sequence.output_counts[token] += 1
         self.stats.generated_tokens += len(sequences)
 
+    @staticmethod
+    def _penalised(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the penalties and biases of the rows that ask for them (the rest as is)."""
+        rows = [row for row, sequence in enumerate(sequences) if sequence.params.changes_logits]
+        if not rows:
+            return logits
+        vocab = logits.shape[1]
+        asking = [sequences[row] for row in rows]
+        bias = torch.zeros(len(rows), vocab)
+        for index, sequence in enumerate(asking):
+            params = sequence.params
+            if sequence.output_counts is None:
+                sequence.output_counts = torch.zeros(vocab)
+                sequence.prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+                if params.repetition_penalty != 1.0:
+                    sequence.prompt_seen[sequence.prompt] = True
+            for token, value in params.logit_bias:
+                bias[index, token] += value
+        changed = penalise(
+            logits[rows],
+            torch.stack([sequence.output_counts for sequence in asking]),
+            torch.stack([sequence.prompt_seen for sequence in asking]),
+            torch.tensor([sequence.params.presence_penalty for sequence in asking]),
+            torch.tensor([sequence.params.frequency_penalty for sequence in asking]),
+            torch.tensor([sequence.params.repetition_penalty for sequence in asking]),
+            bias,
+        )
+        logits = logits.float().clone()
+        logits[rows] = changed
+        return logits
+
+    @staticmethod
+    def _record_top_logprobs(sequences: list[Sequence], logprobs: torch.Tensor) -> None:
+        rows = [row for row, sequence in enumerate(sequences) if sequence.params.top_logprobs]
+        if not rows:
+            return
+        ids, values = top_logprobs(logprobs[rows], max(sequences[row].params.top_logprobs for row in rows))
+        for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+            count = sequences[row].params.top_logprobs
+            sequences[row].top_logprobs.append(list(zip(row_ids[:count], row_values[:count], strict=True)))
+
+    def _after_token(self, sequence: Sequence) -> bool:
+        """Whether the token just sampled ends ``sequence``; its text and callback are updated."""
+        finished = self._finished(sequence)
+        if sequence.on_token is not None:
+            sequence.on_token(sequence)
+        return finished
+
     def _finished(self, sequence: Sequence) -> bool:
-        """vLLM's order: end of sequence, then stop tokens, then length."""
+        """vLLM's order: end of sequence, then stop tokens, then stop strings, then length."""
         token = sequence.output[-1]
         params = sequence.params
         if token == self.eos_token_id and not params.ignore_eos:
@@ -367,6 +440,9 @@ class Engine:
         elif token in params.stop_token_ids or (token in self.extra_stop_token_ids and not params.ignore_eos):
             sequence.finish_reason = FinishReason.STOP
             sequence.stop_reason = token
+        elif sequence.text is not None and (stop := sequence.text.update(sequence.output)) is not None:
+            sequence.finish_reason = FinishReason.STOP
+            sequence.stop_reason = stop
         elif (
             len(sequence.output) >= params.max_tokens
             or len(sequence.prompt) + len(sequence.output) >= self.max_model_len

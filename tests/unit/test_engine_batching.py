@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,10 +17,12 @@ from transformers import (
 )
 
 from deploy.tiny_model import build_model, build_tokenizer
+from rollout_server.engine.detokenize import IncrementalText
 from rollout_server.engine.kv_cache import BatchKVCache
 from rollout_server.engine.prefill import plan_chunks
-from rollout_server.engine.sampling import SequenceSampling
+from rollout_server.engine.sampling import SequenceSampling, penalise
 from rollout_server.engine.scheduler import Engine, FinishReason, PauseMode, Sequence
+from services.logits import processed_logprobs
 
 TEXTS = ["You are walking on a frozen lake.", "P _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\nReach G and avoid O."]
 
@@ -241,3 +244,77 @@ def test_plan_chunks_keeps_rows_times_widest_within_budget(
     remaining: list[int], budget: int, sizes: list[int]
 ) -> None:
     assert plan_chunks(remaining, budget) == sizes
+
+
+def test_penalties_change_only_the_rows_that_ask(engine: Engine, model) -> None:
+    """A row with penalties and a logit bias beside plain rows: the plain rows sample what they
+    sample alone; the penalised one reports the log-probs of its penalised distribution."""
+    prompt = list(range(5, 25))
+    plain = [Sequence(prompt, params(seed, 12)) for seed in (1, 2)]
+    asks = dataclasses.replace(
+        params(3, 12),
+        presence_penalty=0.7,
+        frequency_penalty=1.5,
+        repetition_penalty=1.3,
+        logit_bias=((9, 2.0),),
+    )
+    penalised = Sequence(prompt, asks)
+    engine.submit([plain[0], penalised, plain[1]])
+    for sequence in (*plain, penalised):
+        sequence.done.result(timeout=60)
+    for sequence in plain:
+        (alone,) = run(engine, [prompt], [sequence.params.seed], [12])
+        assert sequence.output == alone.output
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + penalised.output])).logits[0]
+    counts = torch.zeros(logits.shape[1])
+    seen = torch.zeros(logits.shape[1], dtype=torch.bool)
+    seen[prompt] = True
+    bias = torch.zeros(1, logits.shape[1])
+    bias[0, 9] = 2.0
+    for position, token in enumerate(penalised.output):
+        row = penalise(
+            logits[len(prompt) - 1 + position].unsqueeze(0),
+            counts.unsqueeze(0),
+            seen.unsqueeze(0),
+            torch.tensor([0.7]),
+            torch.tensor([1.5]),
+            torch.tensor([1.3]),
+            bias,
+        )
+        logprobs = processed_logprobs(row, torch.tensor([0.9]), torch.tensor([0.95]), torch.tensor([0]))
+        assert penalised.logprobs[position] == pytest.approx(logprobs[0, token].item(), abs=1e-4)
+        counts[token] += 1
+
+
+def test_a_stop_string_ends_the_sequence_at_that_step_and_keeps_its_tokens(engine: Engine, model) -> None:
+    tokenizer = build_tokenizer(TEXTS, ["Left", "Down", "Right", "Up"])
+    prompt = list(range(5, 25))
+    (free,) = run(engine, [prompt], [4], [30])
+    text = tokenizer.decode(free.output)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    reports: list[tuple[int, str]] = []
+    stopped = Sequence(
+        prompt,
+        dataclasses.replace(params(4, 30), stop=(stop,)),
+        text=IncrementalText(tokenizer.decode, (stop,)),
+        on_token=lambda sequence: reports.append((len(sequence.output), sequence.text.text)),
+    )
+    engine.submit([stopped])
+    stopped.done.result(timeout=60)
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == stop
+    assert stopped.text.text == text[: text.index(stop)]
+    assert stopped.output == free.output[: len(stopped.output)]
+    assert stop in tokenizer.decode(stopped.output) and stop not in tokenizer.decode(stopped.output[:-1])
+    assert [count for count, _ in reports] == list(range(1, len(stopped.output) + 1))
+    assert engine.in_flight == 0
+
+
+def test_top_logprobs_list_the_most_likely_tokens_of_each_step(engine: Engine) -> None:
+    sequence = Sequence([1, 2, 3], dataclasses.replace(params(5, 6), top_logprobs=4))
+    engine.submit([sequence])
+    sequence.done.result(timeout=60)
+    assert len(sequence.top_logprobs) == 6
+    for top, logprob in zip(sequence.top_logprobs, sequence.logprobs, strict=True):
+        values = [value for _, value in top]
+        assert len(top) == 4 and values == sorted(values, reverse=True) and values[0] >= logprob

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rollout_server.engine.sampling import sample
+from rollout_server.engine.sampling import penalise, sample, top_logprobs
 from services.logits import processed_logprobs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
@@ -123,3 +123,61 @@ def test_keep_leaves_the_named_tokens_in_the_distribution() -> None:
     kept = LOGITS[0, [0, 1, 4]]
     assert torch.allclose(logprobs[0, [0, 1, 4]], torch.log_softmax(kept, -1), atol=1e-6)
     assert torch.equal(logprobs[1], processed_logprobs(LOGITS, *params(top_k=2))[0])
+
+
+def no_penalty(rows: int, vocab: int):
+    """penalise()'s arguments for ``rows`` rows that ask for nothing."""
+    return (
+        torch.zeros(rows, vocab),
+        torch.zeros(rows, vocab, dtype=torch.bool),
+        torch.zeros(rows),
+        torch.zeros(rows),
+        torch.ones(rows),
+        torch.zeros(rows, vocab),
+    )
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    counts, seen, presence, frequency, repetition, bias = no_penalty(1, 6)
+    counts[0, 0], counts[0, 2] = 3, 1
+    presence[0], frequency[0] = 0.5, 0.25
+    penalised = penalise(LOGITS, counts, seen, presence, frequency, repetition, bias)
+    expected = LOGITS.clone()
+    expected[0, 0] -= 0.5 + 0.25 * 3
+    expected[0, 2] -= 0.5 + 0.25 * 1
+    assert torch.allclose(penalised, expected)
+    untouched = penalise(LOGITS, *no_penalty(1, 6))
+    assert torch.equal(untouched, LOGITS)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() -> None:
+    counts, seen, presence, frequency, repetition, bias = no_penalty(1, 6)
+    seen[0, 0] = True  # in the prompt
+    counts[0, 4] = 1  # generated
+    repetition[0] = 2.0
+    penalised = penalise(LOGITS, counts, seen, presence, frequency, repetition, bias)
+    expected = LOGITS.clone()
+    expected[0, 0] = 2.0 / 2
+    expected[0, 4] = -1.0 * 2
+    assert torch.allclose(penalised, expected)
+
+
+def test_logit_bias_is_added_before_the_penalties() -> None:
+    counts, seen, presence, frequency, repetition, bias = no_penalty(1, 6)
+    bias[0, 5], bias[0, 1] = 100.0, -100.0
+    repetition[0] = 2.0
+    counts[0, 5] = 1
+    penalised = penalise(LOGITS, counts, seen, presence, frequency, repetition, bias)
+    assert penalised[0, 5].item() == pytest.approx((-3.0 + 100.0) / 2)
+    assert penalised[0, 1].item() == pytest.approx(1.0 - 100.0)
+    tokens, _ = sample(penalised, *params(), torch.tensor([0.5]))
+    assert tokens.item() == 5
+
+
+def test_top_logprobs_are_the_most_likely_tokens_in_order() -> None:
+    logprobs = processed_logprobs(LOGITS, *params(temperature=0.7))
+    ids, values = top_logprobs(logprobs, 3)
+    assert ids.tolist() == [[0, 1, 2]]
+    assert torch.equal(values, logprobs[:, :3])
+    ids, _ = top_logprobs(logprobs, 50)  # more than the vocabulary: all of it
+    assert ids.shape == (1, 6)
