@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.learning import arm, commit_of  # noqa: E402
 from deploy.demo import DEMO_CONFIG, train_and_evaluate  # noqa: E402
+from trainer.audit_log import read_jsonl  # noqa: E402
 from trainer.dashboard.samples import TRAJECTORIES_FILE  # noqa: E402
 
 MIXED_LENGTHS = ["curriculum.horizon_schedule=[[0, 8]]", "eval.episodes=8"]
@@ -44,13 +45,10 @@ MIXED_LENGTHS = ["curriculum.horizon_schedule=[[0, 8]]", "eval.episodes=8"]
 
 
 def read_disposed(run_dir: Path) -> list[dict[str, Any]]:
-    """Every trajectory record the trainer wrote: ``status`` kept, dropped or filtered, ``num_turns``."""
-    path = run_dir / TRAJECTORIES_FILE
-    records = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(line))
-    return records
+    """The trajectory records the trainer wrote, ``status`` kept, dropped or filtered, with
+    ``num_turns``: the newest ~80 MB of them (the file rotates, 16 MiB x 5), written as each group
+    was disposed of, so kept and dropped ones are sampled alike."""
+    return read_jsonl(run_dir / TRAJECTORIES_FILE)
 
 
 def length_table(records: list[dict[str, Any]]) -> dict[str, Any]:
