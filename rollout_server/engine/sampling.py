@@ -28,6 +28,10 @@ import torch
 
 from services.logits import GREEDY_BELOW, processed_logprobs
 
+LOGIT_LIMIT = 1e30
+"""Penalised logits stay within +-this: divided by the smallest temperature that is not greedy
+(:data:`GREEDY_BELOW`) they are still finite in float32."""
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceSampling:
@@ -126,4 +130,9 @@ def penalise(
     generated = output_counts > 0
     scale = torch.where(prompt_seen | generated, repetition.unsqueeze(1), torch.ones_like(logits))
     logits = torch.where(logits > 0, logits / scale, logits * scale)
-    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * generated
+    logits = logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * generated
+    # A repetition penalty near 0 (5e-324 is 0 in float32) divides to infinity, and infinities
+    # make NaN log-probs: keep the logits finite, with room left for the temperature's division.
+    return torch.nan_to_num(logits, nan=0.0, posinf=LOGIT_LIMIT, neginf=-LOGIT_LIMIT).clamp(
+        -LOGIT_LIMIT, LOGIT_LIMIT
+    )

@@ -181,3 +181,15 @@ def test_top_logprobs_are_the_most_likely_tokens_in_order() -> None:
     assert torch.equal(values, logprobs[:, :3])
     ids, _ = top_logprobs(logprobs, 50)  # more than the vocabulary: all of it
     assert ids.shape == (1, 6)
+
+
+def test_an_extreme_repetition_penalty_keeps_log_probs_finite() -> None:
+    counts, seen, presence, frequency, repetition, bias = no_penalty(1, 6)
+    seen[0, :2] = True
+    repetition[0] = 5e-324  # 0 in float32
+    penalised = penalise(LOGITS, counts, seen, presence, frequency, repetition, bias)
+    for temperature in (0.0, 1e-5, 1.0):
+        logprobs = processed_logprobs(penalised, *params(temperature=temperature, top_p=5e-324))
+        assert not torch.isnan(logprobs).any()
+        _, chosen = sample(penalised, *params(temperature=temperature), torch.tensor([0.7]))
+        assert torch.isfinite(chosen).all()
