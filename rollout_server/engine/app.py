@@ -3,13 +3,24 @@
 Built on ``services.http_app.create_app`` (health, metrics, JSON errors, auth, size limit). The
 handlers only validate, tokenise and format: all model work happens on the engine thread, which
 they reach through futures, so the event loop never blocks on a forward pass.
+
+The generation routes take what the official ``openai`` client sends and answer as vLLM's
+OpenAI server does: stop strings (text cut before them, every token id kept), presence,
+frequency and repetition penalties and ``logit_bias`` (on the engine thread, for the rows that
+ask), log-probs with up to 20 most likely tokens per position, ``stream: true`` as server-sent
+events (:mod:`rollout_server.engine.streaming`), ``user`` (ignored), and on the chat route
+``tools``/``tool_choice`` (rendered by the chat template, replies parsed for Hermes/Qwen tool calls,
+:mod:`rollout_server.engine.chat`). What it cannot do it refuses with a 400 that says so:
+``response_format`` JSON needs guided decoding, which only vLLM has. Where vLLM could force a tool
+call (``tool_choice: "required"`` or a named function), this engine treats it as ``"auto"``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,21 +29,40 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from transformers import PreTrainedModel
 
+from rollout_server.engine.chat import (
+    ParsedReply,
+    parse_tool_calls,
+    parses_tool_calls,
+    template_messages,
+    template_tools,
+)
+from rollout_server.engine.detokenize import IncrementalText
 from rollout_server.engine.limits_doc import document_limits
+from rollout_server.engine.openai_format import chat_logprobs, completion_logprobs, final_text, finish_reason
 from rollout_server.engine.sampling import SequenceSampling
-from rollout_server.engine.scheduler import Engine, EngineFull, PauseMode, Sequence
+from rollout_server.engine.scheduler import Engine, EngineFull, PauseMode
+from rollout_server.engine.scheduler import Sequence as EngineSequence
 from rollout_server.engine.settings import EngineSettings
+from rollout_server.engine.streaming import (
+    EngineStream,
+    ProgressQueue,
+    StreamContext,
+    chat_events,
+    completion_events,
+    new_stream_id,
+)
 from services.engine_protocol import (
     ChatCompletionChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CollectiveRpcRequest,
     CollectiveRpcResponse,
     CompletionChoice,
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamResponse,
     IsPaused,
     ModelCard,
     ModelList,
@@ -44,10 +74,8 @@ from services.engine_protocol import (
 )
 from services.errors import ApiError, bad_request, not_found, too_many
 from services.http_app import create_app
-from services.openapi import error_responses, refusals
+from services.openapi import error_responses, extend_openapi, refusals
 from services.policy import PolicyLoadError
-
-MIN_LOGPROB = -9999.0  # vLLM's floor, so -inf never reaches JSON
 
 
 @dataclasses.dataclass
@@ -79,6 +107,40 @@ GENERATION_ERRORS = error_responses(
     429,
     descriptions={404: "No model of this name here (GET /v1/models).", 429: "max_num_seqs in flight."},
 )
+SAMPLING_REFUSALS = {
+    "context_too_long": CONTEXT_TOO_LONG,
+    "bad_logit_bias": "a logit_bias key is not a token id of this model's vocabulary",
+    "unsupported_response_format": "response_format json_object or json_schema: the CPU engine cannot "
+    "constrain decoding to JSON (vLLM can)",
+    "stream_options_without_stream": "stream_options is set but stream is not true",
+}
+
+
+def _event_stream(chunk: str) -> dict[int | str, Any]:
+    """The 200's second form, ``text/event-stream`` (``stream: true``), each event documented:
+    ``data`` is ``[DONE]`` or a chunk (or, if the engine failed mid-stream, an error) as JSON."""
+    payload = {
+        "anyOf": [
+            {"$ref": f"#/components/schemas/{chunk}"},
+            {"$ref": "#/components/schemas/ErrorResponse"},
+        ]
+    }
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {"contentMediaType": "application/json", "contentSchema": payload},
+    }
+    return {
+        200: {
+            "description": "The response; with stream: true, server-sent events (text/event-stream), "
+            f"each 'data: <{chunk} JSON>', the last 'data: [DONE]'.",
+            "content": {
+                "text/event-stream": {
+                    "schema": {"type": "object", "properties": {"data": data}, "required": ["data"]}
+                }
+            },
+        }
+    }
 
 
 def _state(request: Request) -> EngineState:
@@ -90,47 +152,47 @@ def _state(request: Request) -> EngineState:
     response_model=CompletionResponse,
     tags=["generation"],
     responses={
+        **_event_stream("CompletionStreamResponse"),
         **GENERATION_ERRORS,
-        **refusals(
-            400,
-            {"context_too_long": CONTEXT_TOO_LONG, "empty_prompt": "the text of the prompt makes no token"},
-        ),
+        **refusals(400, {**SAMPLING_REFUSALS, "empty_prompt": "the text of the prompt makes no token"}),
     },
 )
-async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
-    """Sample ``n`` continuations of the prompt; token ids and processed log-probs included."""
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    """Sample ``n`` continuations of the prompt; token ids and processed log-probs included.
+
+    Stop strings, penalties, ``logit_bias``, ``logprobs`` up to 20 and streaming behave as in
+    vLLM's server (see the fields); ``response_format`` JSON is a 400, as the engine cannot
+    constrain decoding.
+    """
     state = _state(request)
-    if body.model is not None and body.model != state.model_name:
-        raise not_found("model", body.model)
+    _check_request(body, state)
     prompt = _prompt_ids(body, state)
-    params = _sampling_params(body)
+    params = _sequence_sampling(body, 16 if body.max_tokens is None else body.max_tokens, state)
+    params = dataclasses.replace(params, top_logprobs=body.logprobs or 0)
     _check_length(prompt, params.max_tokens, state.settings.max_model_len)
-    if body.n > state.settings.max_num_seqs:
-        raise bad_request(
-            "too_many_samples", f"n={body.n} exceeds max_num_seqs={state.settings.max_num_seqs}"
+    decode = _decoder(state, body.skip_special_tokens)
+    sequences = _sequences(prompt, params, body, decode)
+    if body.stream:
+        context = _stream_context(body, state, prompt, sequences, decode, "cmpl")
+        context.logprobs = body.logprobs is not None
+        context.return_token_ids = bool(body.return_token_ids)
+        return _stream(state, sequences, lambda progress: completion_events(context, progress))
+    await _generate(state, sequences)
+    choices = [
+        CompletionChoice(
+            index=index,
+            text=final_text(sequence, decode),
+            logprobs=None
+            if body.logprobs is None
+            else completion_logprobs(sequence, 0, len(sequence.output), state.token_text),
+            finish_reason=finish_reason(sequence),
+            stop_reason=sequence.stop_reason,
+            token_ids=list(sequence.output) if body.return_token_ids else None,
+            prompt_token_ids=list(prompt) if body.return_token_ids else None,
         )
-    sequences = await _generate(state, prompt, params, body.n, body.seed)
-    return _response(body, state, prompt, sequences)
-
-
-async def _generate(
-    state: EngineState, prompt: list[int], params: SequenceSampling, n: int, seed: int | None
-) -> list[Sequence]:
-    """Run ``n`` samples of ``prompt`` on the engine thread (seed + i each) and wait for them."""
-    sequences = [
-        Sequence(prompt, dataclasses.replace(params, seed=None if seed is None else seed + index))
-        for index in range(n)
+        for index, sequence in enumerate(sequences)
     ]
-    try:
-        state.engine.submit(sequences)
-    except EngineFull as exc:
-        raise too_many("engine_full", str(exc)) from None
-    try:
-        await asyncio.gather(*(asyncio.wrap_future(sequence.done) for sequence in sequences))
-    except asyncio.CancelledError:
-        state.engine.abort(sequences)
-        raise
-    return sequences
+    return CompletionResponse(model=state.model_name, choices=choices, usage=_usage(prompt, sequences))
 
 
 @router.post(
@@ -138,33 +200,47 @@ async def _generate(
     response_model=ChatCompletionResponse,
     tags=["generation"],
     responses={
+        **_event_stream("ChatCompletionChunk"),
         **GENERATION_ERRORS,
         **refusals(
             400,
             {
-                "context_too_long": CONTEXT_TOO_LONG,
+                **SAMPLING_REFUSALS,
                 "chat_template": "the model's chat template refuses these messages (their roles, order)",
+                "top_logprobs_without_logprobs": "top_logprobs is set but logprobs is not true",
+                "bad_tool_call_arguments": "an assistant tool call's function.arguments is not a JSON "
+                "object as a string",
+                "tool_choice_without_tools": "tool_choice other than 'none' without tools",
+                "unknown_tool": "tool_choice names a function that is not among tools",
             },
         ),
     },
 )
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """OpenAI's chat route: the messages under the model's chat template, sampled like completions.
 
     Text in, text out (``choices[i].message.content``); what the OpenAI-compatible evaluation
     engine (``rollout_server.openai_chat``) and any OpenAI client speak. Training never uses it:
     the worker sends token ids to ``/v1/completions``.
+
+    ``tools`` are rendered by the chat template (``apply_chat_template(..., tools=...)``), and
+    unless ``tool_choice`` is ``"none"`` the reply is parsed for Hermes/Qwen ``<tool_call>``
+    blocks into ``message.tool_calls`` (finish_reason ``"tool_calls"``); a block that is not JSON
+    leaves the reply as plain content. ``tool_choice: "required"`` or a named function cannot be
+    enforced without guided decoding, which this engine lacks: they are treated like ``"auto"``.
+    The messages may hold an agent's earlier ``tool_calls`` and ``tool`` results, and the
+    ``developer`` role (as system). ``response_format`` JSON is a 400.
     """
     state = _state(request)
-    if body.model is not None and body.model != state.model_name:
-        raise not_found("model", body.model)
-    if body.n > state.settings.max_num_seqs:
-        raise bad_request(
-            "too_many_samples", f"n={body.n} exceeds max_num_seqs={state.settings.max_num_seqs}"
-        )
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    _check_request(body, state)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs_without_logprobs", "top_logprobs needs logprobs: true")
+    tools = template_tools(body)
+    messages = template_messages(body)
     try:
-        text = state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = state.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
     except Exception as exc:  # no template, or a template that refuses these roles (jinja raises)
         raise bad_request(
             "chat_template", f"the model's chat template cannot render these messages: {exc}"
@@ -172,27 +248,135 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
     prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
     limits = [value for value in (body.max_tokens, body.max_completion_tokens) if value is not None]
     max_tokens = min(limits) if limits else max(1, state.settings.max_model_len - len(prompt))
-    params = _sequence_sampling(body, max_tokens)
+    params = _sequence_sampling(body, max_tokens, state)
+    if body.logprobs:
+        params = dataclasses.replace(params, top_logprobs=body.top_logprobs or 0)
     _check_length(prompt, params.max_tokens, state.settings.max_model_len)
-    sequences = await _generate(state, prompt, params, body.n, body.seed)
-    choices = [
-        ChatCompletionChoice(
-            index=index,
-            message=ChatResponseMessage(
-                content=state.tokenizer.decode(sequence.output, skip_special_tokens=body.skip_special_tokens)
-            ),
-            finish_reason=sequence.finish_reason.value if sequence.finish_reason else None,
-            stop_reason=sequence.stop_reason,
+    decode = _decoder(state, body.skip_special_tokens)
+    sequences = _sequences(prompt, params, body, decode)
+    tool_calls = parses_tool_calls(body)
+    parallel = body.parallel_tool_calls is not False
+    if body.stream:
+        context = _stream_context(body, state, prompt, sequences, decode, "chatcmpl")
+        context.logprobs = bool(body.logprobs)
+        context.tool_calls, context.parallel_tool_calls = tool_calls, parallel
+        return _stream(state, sequences, lambda progress: chat_events(context, progress))
+    await _generate(state, sequences)
+    choices = []
+    for index, sequence in enumerate(sequences):
+        reply = ParsedReply(content=final_text(sequence, decode))
+        if tool_calls:
+            reply = parse_tool_calls(reply.content or "", parallel)
+        choices.append(
+            ChatCompletionChoice(
+                index=index,
+                message=ChatResponseMessage(content=reply.content, tool_calls=reply.tool_calls),
+                logprobs=chat_logprobs(sequence, 0, len(sequence.output), state.token_text)
+                if body.logprobs
+                else None,
+                finish_reason="tool_calls" if reply.tool_calls else finish_reason(sequence),
+                stop_reason=None if reply.tool_calls else sequence.stop_reason,
+            )
         )
-        for index, sequence in enumerate(sequences)
+    return ChatCompletionResponse(model=state.model_name, choices=choices, usage=_usage(prompt, sequences))
+
+
+def _check_request(body: CompletionRequest | ChatCompletionRequest, state: EngineState) -> None:
+    """The refusals both routes share: the model's name, ``n``, and what the engine cannot do."""
+    if body.model is not None and body.model != state.model_name:
+        raise not_found("model", body.model)
+    if body.n > state.settings.max_num_seqs:
+        raise bad_request(
+            "too_many_samples", f"n={body.n} exceeds max_num_seqs={state.settings.max_num_seqs}"
+        )
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(
+            "unsupported_response_format",
+            f"response_format {body.response_format.type!r}: the CPU engine cannot constrain decoding to "
+            "JSON; use vLLM (or ask for JSON in the prompt and parse the text)",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options_without_stream", "stream_options is only allowed with stream: true")
+
+
+def _sequences(
+    prompt: list[int],
+    params: SequenceSampling,
+    body: CompletionRequest | ChatCompletionRequest,
+    decode: Callable[[Sequence[int]], str],
+) -> list[EngineSequence]:
+    """``n`` samples of ``prompt`` (seed + i each); a sequence that stops on text or is streamed
+    gets its text decoded as it goes, on the engine thread."""
+    needs_text = bool(params.stop) or bool(body.stream)
+    return [
+        EngineSequence(
+            prompt,
+            dataclasses.replace(params, seed=None if body.seed is None else body.seed + index),
+            text=IncrementalText(decode, params.stop) if needs_text else None,
+        )
+        for index in range(body.n)
     ]
+
+
+def _submit(state: EngineState, sequences: list[EngineSequence]) -> None:
+    try:
+        state.engine.submit(sequences)
+    except EngineFull as exc:
+        raise too_many("engine_full", str(exc)) from None
+
+
+async def _generate(state: EngineState, sequences: list[EngineSequence]) -> None:
+    """Run ``sequences`` on the engine thread and wait for them; abort them if the request is cancelled."""
+    _submit(state, sequences)
+    try:
+        await asyncio.gather(*(asyncio.wrap_future(sequence.done) for sequence in sequences))
+    except asyncio.CancelledError:
+        state.engine.abort(sequences)
+        raise
+
+
+def _stream(
+    state: EngineState,
+    sequences: list[EngineSequence],
+    events: Callable[[ProgressQueue], AsyncIterator[str]],
+) -> EngineStream:
+    """Submit ``sequences`` (a full engine is still a plain 429) and stream their events."""
+    progress = ProgressQueue(sequences)
+    _submit(state, sequences)
+    return EngineStream(events(progress), state.engine, sequences)
+
+
+def _stream_context(
+    body: CompletionRequest | ChatCompletionRequest,
+    state: EngineState,
+    prompt: list[int],
+    sequences: list[EngineSequence],
+    decode: Callable[[Sequence[int]], str],
+    prefix: str,
+) -> StreamContext:
+    return StreamContext(
+        id=new_stream_id(prefix),
+        model=state.model_name,
+        prompt=prompt,
+        sequences=sequences,
+        token_text=state.token_text,
+        decode=decode,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        stops=sequences[0].params.stop,
+    )
+
+
+def _decoder(state: EngineState, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+    return functools.partial(state.tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _usage(prompt: list[int], sequences: list[EngineSequence]) -> UsageInfo:
     completion_tokens = sum(len(sequence.output) for sequence in sequences)
-    usage = UsageInfo(
+    return UsageInfo(
         prompt_tokens=len(prompt),
         completion_tokens=completion_tokens,
         total_tokens=len(prompt) + completion_tokens,
     )
-    return ChatCompletionResponse(model=state.model_name, choices=choices, usage=usage)
 
 
 def _prompt_ids(body: CompletionRequest, state: EngineState) -> list[int]:
@@ -208,14 +392,11 @@ def _prompt_ids(body: CompletionRequest, state: EngineState) -> list[int]:
     return prompt
 
 
-def _sampling_params(body: CompletionRequest) -> SequenceSampling:
-    if body.logprobs not in (None, 0):
-        raise bad_request("unsupported", "logprobs must be 0 (the sampled token's log-prob) or omitted")
-    return _sequence_sampling(body, 16 if body.max_tokens is None else body.max_tokens)
-
-
-def _sequence_sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SequenceSampling:
-    """A request's sampling fields, unset ones at vLLM's defaults (T=1, top-p 1, no top-k)."""
+def _sequence_sampling(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, state: EngineState
+) -> SequenceSampling:
+    """A request's sampling fields, unset ones at vLLM's defaults (T=1, top-p 1, no top-k, no penalties)."""
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SequenceSampling(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -224,7 +405,25 @@ def _sequence_sampling(body: CompletionRequest | ChatCompletionRequest, max_toke
         seed=body.seed,
         stop_token_ids=frozenset(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        stop=stop,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias, state.vocab_size),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(
+                "bad_logit_bias",
+                f"logit_bias key {key[:40]!r} is not a token id of this model (0 to {vocab_size - 1})",
+            )
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 def _check_length(prompt: list[int], max_tokens: int, max_model_len: int) -> None:
@@ -234,45 +433,6 @@ def _check_length(prompt: list[int], max_tokens: int, max_model_len: int) -> Non
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion).",
         )
-
-
-def _response(
-    body: CompletionRequest, state: EngineState, prompt: list[int], sequences: list[Sequence]
-) -> CompletionResponse:
-    tokenizer = state.tokenizer
-    choices = []
-    for index, sequence in enumerate(sequences):
-        logprobs = None
-        if body.logprobs is not None:
-            tokens = [state.token_text(token) for token in sequence.output]
-            values = [max(value, MIN_LOGPROB) for value in sequence.logprobs]
-            offsets = [0]
-            for token in tokens[:-1]:
-                offsets.append(offsets[-1] + len(token))
-            logprobs = CompletionLogProbs(
-                text_offset=offsets,
-                token_logprobs=values,
-                tokens=tokens,
-                top_logprobs=[{token: value} for token, value in zip(tokens, values, strict=True)],
-            )
-        choices.append(
-            CompletionChoice(
-                index=index,
-                text=tokenizer.decode(sequence.output, skip_special_tokens=body.skip_special_tokens),
-                logprobs=logprobs,
-                finish_reason=sequence.finish_reason.value if sequence.finish_reason else None,
-                stop_reason=sequence.stop_reason,
-                token_ids=list(sequence.output) if body.return_token_ids else None,
-                prompt_token_ids=list(prompt) if body.return_token_ids else None,
-            )
-        )
-    completion_tokens = sum(len(sequence.output) for sequence in sequences)
-    usage = UsageInfo(
-        prompt_tokens=len(prompt),
-        completion_tokens=completion_tokens,
-        total_tokens=len(prompt) + completion_tokens,
-    )
-    return CompletionResponse(model=state.model_name, choices=choices, usage=usage)
 
 
 @router.get("/v1/models", response_model=ModelList, tags=["generation"])
@@ -423,4 +583,16 @@ def build_app(engine: Engine, model: PreTrainedModel, tokenizer: Any, settings: 
     app.state.metrics_registry.register(EngineCollector(engine))
     app.include_router(router)
     document_limits(app, settings, app.state.engine_state.vocab_size)
+    extend_openapi(app, _add_stream_chunks)
     return app
+
+
+def _add_stream_chunks(document: dict[str, Any]) -> None:
+    """The chunk models the event streams refer to: no route returns them as a body, so FastAPI
+    leaves them out of the document's components."""
+    schemas = document["components"]["schemas"]
+    for model in (CompletionStreamResponse, ChatCompletionChunk):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in schema.pop("$defs", {}).items():
+            schemas.setdefault(name, definition)
+        schemas.setdefault(model.__name__, schema)

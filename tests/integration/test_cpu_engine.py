@@ -213,7 +213,10 @@ def test_reload_from_a_bad_path_is_refused(
         ({"prompt": [1] * 2040, "max_tokens": 16}, "context_too_long"),
         ({"prompt": [], "max_tokens": 4}, "empty_prompt"),
         ({"prompt": [10**6], "max_tokens": 4}, "bad_token"),
-        ({"prompt": [1, 2], "logprobs": 5}, "unsupported"),
+        ({"prompt": [1, 2], "logit_bias": {"x": 1}}, "bad_logit_bias"),
+        ({"prompt": [1, 2], "logit_bias": {"1000000": 1}}, "bad_logit_bias"),
+        ({"prompt": [1, 2], "response_format": {"type": "json_object"}}, "unsupported_response_format"),
+        ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options_without_stream"),
         ({"prompt": [1, 2], "n": 1000}, "too_many_samples"),
     ],
 )
@@ -235,6 +238,12 @@ def test_requests_the_engine_cannot_serve_get_400(engine: RunningServer, body: d
         {"prompt": [1, True]},  # JSON types exactly: pydantic's lax mode took these
         {"prompt": [1, 2], "n": "2"},
         {"prompt": [1, 2], "stream": 0},
+        {"prompt": [1, 2], "logprobs": 21},
+        {"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]},
+        {"prompt": [1, 2], "stop": ""},
+        {"prompt": [1, 2], "presence_penalty": 2.5},
+        {"prompt": [1, 2], "repetition_penalty": 0},
+        {"prompt": [1, 2], "logit_bias": {"1": 101}},
     ],
 )
 def test_malformed_requests_get_422(engine: RunningServer, body: dict) -> None:

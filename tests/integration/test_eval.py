@@ -144,7 +144,12 @@ def test_chat_route_answers_in_openai_shape(engine_server: RunningServer, tokeni
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
-        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}, 422, "validation_error"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 101}},
+            422,
+            "validation_error",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "metadata": {}}, 422, "validation_error"),
         ({"messages": []}, 422, "validation_error"),
         ({"messages": [{"role": "tool", "content": "hi"}]}, 422, "validation_error"),
         ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found"),
