@@ -1,4 +1,5 @@
-"""The rollout worker's HTTP API on :8200: /health, /metrics and /status.
+"""The rollout worker's HTTP API on :8200: /health, /metrics, /status, and the agent sessions'
+OpenAI-compatible routes under /sessions/{id} (:mod:`rollout_server.proxy`).
 
 /health is a 503 naming Redis while Redis does not answer, or naming the engines while every
 engine the worker had is lost (it stopped answering); the worker waits for them to come back, and
@@ -19,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from rollout_server import proxy
 from rollout_server.settings import WorkerSettings
 from rollout_server.worker import RolloutWorker, WorkerStatus
 from services.http_app import create_app
@@ -58,6 +60,7 @@ def build_app(settings: WorkerSettings, tokenizer: Any, **worker_options: Any) -
         """In-flight episodes, throughput, the policy version served, and job counts."""
         return request.app.state.worker.status()
 
+    app.include_router(proxy.router)
     return app
 
 

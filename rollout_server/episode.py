@@ -105,9 +105,15 @@ class ChatFormat:
         self._first_prompt = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_first_prompt)
         self._next_user = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_next_user)
 
-    def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The template's text of ``messages`` (and ``tools``, for templates that render them)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
         )
 
     def encode(self, text: str) -> list[int]:

@@ -129,6 +129,12 @@ class WorkerSettings(ServiceSettings):
         description="Longest wait for one env server call (create, step, close): a server that "
         "hangs fails the attempt, which is rerun, instead of holding the episode for ever.",
     )
+    agent_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Longest an agent (an 'agent' job's function or outside harness) may take over one "
+        "episode; past it the episode is published with an error naming the agent.",
+    )
     engine_backoff_s: float = Field(default=0.2, gt=0)
     engine_max_backoff_s: float = Field(default=5.0, gt=0)
     engine_busy_timeout_s: float = Field(
@@ -206,6 +212,15 @@ class WorkerSettings(ServiceSettings):
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
         host = socket.gethostname() if self.host in _WILDCARD_HOSTS else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def local_url(self) -> str:
+        """How a client inside this process reaches the worker: loopback when it listens on every
+        interface (an agent run by the worker calls its session there)."""
+        host = "127.0.0.1" if self.host in _WILDCARD_HOSTS else self.host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"http://{host}:{self.port}"

@@ -5,7 +5,8 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
 
 * **consume**: read jobs in the ``rollout`` group under a consumer name unique to this process,
   never more than ``concurrency`` episodes at once;
-* **play**: each job is one episode (:func:`rollout_server.episode.run_episode`) against one env
+* **play**: each job is one episode (:func:`rollout_server.episode.run_episode`, or for an
+  ``agent`` job the user's agent through a recording session, :mod:`rollout_server.agent`) against one env
   server of its family (``game/frozenlake`` → a ``game`` server) and one engine, each the one with
   the fewest episodes in flight (ties in turn). An episode creates, steps and closes its env
   instance on the one server it started on; a rerun after an env error picks again;
@@ -69,12 +70,14 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rollout_server.agent import HARNESS_ERRORS, MODEL_NAME, AgentHost, new_session_id, play_agent_episode
 from rollout_server.episode import EpisodeEnvError, run_episode
+from rollout_server.session import RecordingSession, SessionRegistry
 from rollout_server.settings import WorkerSettings
 from services.endpoints import Discovery, Endpoint, Resolver, ServerPool, pick_least_busy
 from services.engine_client import EngineClient, EngineClientError, EngineConnectionError
 from services.env_client import EnvClient, EnvClientError
-from services.http_client import Backoff
+from services.http_client import Backoff, HttpClient
 from services.queue import (
     Delivery,
     StreamQueue,
@@ -272,6 +275,18 @@ class RolloutWorker:
         self.consumer = settings.consumer or default_consumer_name()
         self.keys = RunKeys(settings.run)
         self._run_episode = run_episode
+        self.sessions = SessionRegistry()
+        """The recording sessions of the agent episodes being played (served by rollout_server.proxy)."""
+        self._harness = HttpClient(HARNESS_ERRORS, timeout=settings.agent_timeout_s)
+        token = settings.api_token.get_secret_value() if settings.api_token else None
+        self._agent_host = AgentHost(
+            self.sessions,
+            settings.local_url,
+            settings.advertised_url,
+            token or "EMPTY",
+            settings.agent_timeout_s,
+            self._harness,
+        )
         registry = registry or CollectorRegistry()
         self._metrics = _Metrics(registry)
         registry.register(_ServerLoad(self))
@@ -362,9 +377,12 @@ class RolloutWorker:
             self._envs[family] = ServerPool(
                 lambda url: EnvClient(url, token=env_token, timeout=settings.env_timeout_s)
             )
+        await self._harness.open()
         await self._resolve()
 
     async def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._harness.aclose()
         for pool in self._envs.values():
             await pool.aclose()
         for slot in self._slots:
@@ -608,6 +626,17 @@ class RolloutWorker:
         try:
             async with slot.gate.episode():
                 assert slot.version is not None
+                if job.kind == "agent":
+                    session = RecordingSession(
+                        new_session_id(),
+                        job,
+                        slot.client,
+                        self.tokenizer,
+                        slot.version,
+                        MODEL_NAME,
+                        slot.max_model_len,
+                    )
+                    return await play_agent_episode(job, envs, instruction, session, self._agent_host)
                 runner = self._run_episode or run_episode
                 return await runner(
                     job,

@@ -106,6 +106,10 @@ class Completion:
     stop_reason: int | str | None = None
     url: str = field(default="", compare=False)
     """The server that sampled it."""
+    tokens: list[str] = field(default_factory=list, compare=False)
+    """Each sampled token as text (the server's ``logprobs.tokens``)."""
+    top_logprobs: list[dict[str, float]] = field(default_factory=list, compare=False)
+    """Per sampled token, the most likely tokens and their log-probs; empty unless asked for."""
     busy_wait_s: float = field(default=0.0, compare=False)
     """Seconds spent waiting out the server's 429s before it took the request."""
 
@@ -179,6 +183,8 @@ class EngineClient(ServiceClient):
         *,
         max_tokens: int | None = None,
         seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        top_logprobs: int = 0,
     ) -> CompletionRequest:
         """The ``/v1/completions`` request. Only the fields set here are sent (``exclude_unset``):
         ones that vLLM and our engine both declare, so neither ignores nor refuses one."""
@@ -187,9 +193,11 @@ class EngineClient(ServiceClient):
             "max_tokens": sampling.max_tokens if max_tokens is None else max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "logprobs": 0,
+            "logprobs": top_logprobs,
             "return_token_ids": True,
         }
+        if stop:
+            fields["stop"] = list(stop)
         if self.model is not None:
             fields["model"] = self.model
         if sampling.top_k is not None:
@@ -209,15 +217,25 @@ class EngineClient(ServiceClient):
         *,
         max_tokens: int | None = None,
         seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        top_logprobs: int = 0,
         url: str | None = None,
     ) -> Completion:
         """Sample one continuation of ``prompt_ids``.
 
         ``max_tokens`` and ``seed`` override ``sampling``'s (a turn's room left in the context, a
-        turn's own seed); ``url`` picks the server instead of the balancer.
+        turn's own seed); ``stop`` strings end it (every sampled token is kept, the text is cut
+        before the string); ``top_logprobs`` asks for that many most likely tokens per position;
+        ``url`` picks the server instead of the balancer.
         """
         request = self.completion_request(
-            prompt_ids, sampling, stop_token_ids, max_tokens=max_tokens, seed=seed
+            prompt_ids,
+            sampling,
+            stop_token_ids,
+            max_tokens=max_tokens,
+            seed=seed,
+            stop=stop,
+            top_logprobs=top_logprobs,
         )
         body = request.model_dump(exclude_unset=True)
         target = self.pick() if url is None else url.rstrip("/")
@@ -348,7 +366,8 @@ def _completion(answer: Answer, url: str) -> Completion:
         raise EngineProtocolError(f"{url}: completion without choices")
     choice = response.choices[0]
     token_ids = choice.token_ids
-    token_logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
+    logprobs = choice.logprobs
+    token_logprobs = logprobs.token_logprobs if logprobs is not None else None
     if token_ids is None or token_logprobs is None:
         raise EngineProtocolError(f"{url}: completion lacks token_ids or logprobs.token_logprobs")
     if len(token_ids) != len(token_logprobs) or any(value is None for value in token_logprobs):
@@ -363,6 +382,8 @@ def _completion(answer: Answer, url: str) -> Completion:
         stop_reason=choice.stop_reason,
         url=url,
         busy_wait_s=answer.busy_wait_s,
+        tokens=list(logprobs.tokens) if logprobs is not None else [],
+        top_logprobs=[top or {} for top in logprobs.top_logprobs] if logprobs is not None else [],
     )
 
 

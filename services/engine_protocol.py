@@ -262,6 +262,12 @@ class AssistantMessage(BaseModel):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     refusal: str | None = Field(default=None, description="Accepted and ignored.")
+    # An agent that appends the SDK's reply message object as it came sends these back too.
+    annotations: list[dict[str, Any]] | None = Field(default=None, description="Accepted and ignored.")
+    audio: dict[str, Any] | None = Field(default=None, description="Accepted and ignored.")
+    function_call: dict[str, Any] | None = Field(
+        default=None, description="OpenAI's deprecated single call; accepted and ignored."
+    )
 
 
 class ToolMessage(BaseModel):

@@ -98,6 +98,9 @@ class RunKeys:
 
 
 ActionFormat = Literal["plain", "answer_tags"]
+JobKind = Literal["env", "agent"]
+AGENT_ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^https?://\S+$"
+"""An agent: ``package.module:function`` (run in the worker) or an http(s) URL (an outside harness)."""
 
 
 class RolloutWireModel(WireModel):
@@ -134,6 +137,25 @@ class JobFields(RolloutWireModel):
     action_format: ActionFormat | None = Field(default=None, description="None: the env's own action format.")
     options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
     created_at: float = Field(default_factory=time.time, description="Unix time the job was issued.")
+    kind: JobKind = Field(
+        default="env",
+        description="'env': the worker plays the episode with its own loop (instruction, reply "
+        "parsing, env steps). 'agent': the user's agent (`agent`) plays it through the worker's "
+        "recording OpenAI-compatible proxy, one session per episode (rollout_server.agent).",
+    )
+    agent: str | None = Field(
+        default=None,
+        pattern=AGENT_ENTRY_POINT,
+        description="For kind 'agent': 'package.module:function', an async function the worker calls "
+        "with an openai.AsyncOpenAI client of the episode's session, the task and the env; or the "
+        "http(s) URL of an outside harness, which the worker POSTs the session to.",
+    )
+
+    @model_validator(mode="after")
+    def _agent_iff_agent_kind(self) -> Self:
+        if (self.kind == "agent") != (self.agent is not None):
+            raise ValueError("an 'agent' job names its agent, and only an 'agent' job does")
+        return self
 
 
 class RolloutJob(JobFields):
@@ -210,6 +232,13 @@ class Trajectory(JobFields):
         "first, each naming the server that failed (an env server that died, an engine that stopped "
         "answering).",
     )
+    segments: list[int] = Field(
+        default_factory=list,
+        description="Agent episodes: the token index where each sequence after the first starts. An "
+        "agent that rewrote its history (dropped or summarised turns) sent a prompt that does not "
+        "extend the tokens so far; from there the tokens are a new sequence (its whole prompt, mask "
+        "0, then its replies), which the trainer trains as a row of its own. Empty: one sequence.",
+    )
     text_only: bool = Field(
         default=False,
         description="Played by a text-only engine (an OpenAI-compatible chat endpoint, for evaluation): "
@@ -257,6 +286,9 @@ class Trajectory(JobFields):
             raise ValueError("logprobs must be 0.0 where loss_mask is 0")
         if self.text_only and n:
             raise ValueError("a text-only trajectory carries no token_ids, loss_mask or logprobs")
+        bounds = [0, *self.segments, n]
+        if self.segments and any(start >= end for start, end in itertools.pairwise(bounds)):
+            raise ValueError(f"segments must rise strictly inside (0, {n}); got {self.segments}")
         if self.num_turns != len(self.turns):
             raise ValueError(f"num_turns is {self.num_turns} but there are {len(self.turns)} turns")
         if self.num_turns > self.max_turns:

@@ -14,6 +14,7 @@ its row in the batch it came from, so per-row results can be put back together
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -158,6 +159,37 @@ class TrainBatch:
         return rows if rows.dim() == 1 else rows[:, : self.seq_len]
 
 
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One row of a batch: a trajectory's tokens ``[start, end)`` and its turn structure there."""
+
+    trajectory: Trajectory
+    start: int
+    end: int
+    turns: tuple[list[float], list[int]] | None
+
+
+def _rows(trajectory: Trajectory) -> list[_Row]:
+    """One row per sequence of ``trajectory``: the whole episode, or each of its ``segments``.
+
+    An agent that rewrote its history made a new sequence (``Trajectory.segments``): the model
+    sampled its replies after that sequence's own prompt, never after the tokens before it, so
+    it is trained as its own row. Every row carries the episode's return, on its last turn.
+    """
+    bounds = [0, *trajectory.segments, len(trajectory.token_ids)]
+    structure = _turn_structure(trajectory)
+    if len(bounds) == 2:
+        return [_Row(trajectory, 0, bounds[1], structure)]
+    rows = []
+    for start, end in itertools.pairwise(bounds):
+        turns = None
+        if structure is not None:
+            ends = [index - start for index in structure[1] if start <= index < end]
+            turns = ([0.0] * (len(ends) - 1) + [float(trajectory.reward)], ends) if ends else None
+        rows.append(_Row(trajectory, start, end, turns))
+    return rows
+
+
 def _turn_structure(trajectory: Trajectory) -> tuple[list[float], list[int]] | None:
     """Each turn's reward and last-token index, or None if the turns do not tile the tokens.
 
@@ -188,7 +220,9 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
     Raises :class:`UntrainableTrajectoryError` naming the first trajectory that is not
     ``trainable`` (text-only, failed) or has no trainable token; the caller filters those out
     (and counts them) before collating. Per-turn rewards are kept when every trajectory's turns
-    tile its tokens (see :func:`_turn_structure`), else ``turn_rewards`` is None.
+    tile its tokens (see :func:`_turn_structure`), else ``turn_rewards`` is None. A trajectory
+    with ``segments`` gives one row per sequence (see :func:`_rows`), each with the episode's
+    return; group statistics then count each of its rows, like an episode of its own.
     """
     if not trajectories:
         raise ValueError("collate needs at least one trajectory")
@@ -201,39 +235,40 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
                 f"trajectory {position} (job {trajectory.job_id}) is not trainable: {reason}; "
                 "filter with `Trajectory.trainable` before collating"
             )
-    batch = len(trajectories)
-    seq_len = max(len(t.token_ids) for t in trajectories)
+    rows = [row for trajectory in trajectories for row in _rows(trajectory)]
+    batch = len(rows)
+    seq_len = max(row.end - row.start for row in rows)
     input_ids = torch.full((batch, seq_len), int(pad_token_id), dtype=torch.long)
     attention_mask = torch.zeros(batch, seq_len, dtype=torch.long)
     response_mask = torch.zeros(batch, seq_len, dtype=torch.float32)
     behaviour = torch.zeros(batch, seq_len, dtype=torch.float32)
-    for row, trajectory in enumerate(trajectories):
-        n = len(trajectory.token_ids)
-        input_ids[row, :n] = torch.tensor(trajectory.token_ids, dtype=torch.long)
-        attention_mask[row, :n] = 1
-        response_mask[row, :n] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
-        behaviour[row, :n] = torch.tensor(trajectory.logprobs, dtype=torch.float32)
+    for index, row in enumerate(rows):
+        n, span, trajectory = row.end - row.start, slice(row.start, row.end), row.trajectory
+        input_ids[index, :n] = torch.tensor(trajectory.token_ids[span], dtype=torch.long)
+        attention_mask[index, :n] = 1
+        response_mask[index, :n] = torch.tensor(trajectory.loss_mask[span], dtype=torch.float32)
+        behaviour[index, :n] = torch.tensor(trajectory.logprobs[span], dtype=torch.float32)
     if response_mask[:, 0].any():
         raise UntrainableTrajectoryError("token 0 of an episode cannot be trainable: nothing predicts it")
-    structures = [_turn_structure(t) for t in trajectories]
-    has_turns = all(s is not None for s in structures)
+    has_turns = all(row.turns is not None for row in rows)
+    episodes = [row.trajectory for row in rows]
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
         behaviour_logprobs=behaviour,
-        scores=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
-        temperature=torch.tensor([t.sampling.temperature for t in trajectories], dtype=torch.float32),
-        top_p=torch.tensor([t.sampling.top_p for t in trajectories], dtype=torch.float32),
-        top_k=torch.tensor([t.sampling.top_k or 0 for t in trajectories], dtype=torch.long),
-        truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+        scores=torch.tensor([float(t.reward) for t in episodes], dtype=torch.float32),
+        temperature=torch.tensor([t.sampling.temperature for t in episodes], dtype=torch.float32),
+        top_p=torch.tensor([t.sampling.top_p for t in episodes], dtype=torch.float32),
+        top_k=torch.tensor([t.sampling.top_k or 0 for t in episodes], dtype=torch.long),
+        truncated=torch.tensor([t.truncated for t in episodes], dtype=torch.bool),
         index=torch.arange(batch, dtype=torch.long),
-        group_ids=[t.group_id for t in trajectories],
-        env_ids=[t.env for t in trajectories],
-        job_ids=[t.job_id for t in trajectories],
-        policy_versions=[t.policy_version for t in trajectories],
-        turn_rewards=[s[0] for s in structures] if has_turns else None,  # type: ignore[index]
-        turn_end_indices=[s[1] for s in structures] if has_turns else None,  # type: ignore[index]
+        group_ids=[t.group_id for t in episodes],
+        env_ids=[t.env for t in episodes],
+        job_ids=[t.job_id for t in episodes],
+        policy_versions=[t.policy_version for t in episodes],
+        turn_rewards=[row.turns[0] for row in rows] if has_turns else None,  # type: ignore[index]
+        turn_end_indices=[row.turns[1] for row in rows] if has_turns else None,  # type: ignore[index]
     )
 
 

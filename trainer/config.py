@@ -37,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.contracts import FAMILY_PORTS
-from services.rollout_protocol import RUN_ID_PATTERN, ActionFormat, SamplingParams
+from services.rollout_protocol import AGENT_ENTRY_POINT, RUN_ID_PATTERN, ActionFormat, SamplingParams
 from trainer.algorithms.curriculum import HorizonSchedule
 from trainer.algorithms.filtering import num_groups_to_keep
 from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
@@ -245,6 +245,14 @@ class RolloutConfig(Section):
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per-turn sampling.")
     action_format: ActionFormat = Field(default="plain", description="plain | answer_tags")
+    agent: str | None = Field(
+        default=None,
+        pattern=AGENT_ENTRY_POINT,
+        description="Your own agent plays every episode (training and evaluation) through the worker's "
+        "recording OpenAI-compatible proxy: 'package.module:function' (an async function given an "
+        "openai.AsyncOpenAI client, the task and the env) or an outside harness's http(s) URL. None: "
+        "the worker's own loop (instruction, action_format, reply parsing).",
+    )
     max_model_len: int | None = Field(default=None, gt=0, description="Context limit; None: the engine's.")
     invalid_penalty: float = Field(
         default=0.0,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -541,8 +542,13 @@ class Trainer:
         advantages: dict[str, list[float]] = {}
         rows = self.updater.last_advantages
         if rows is not None:
-            for row, trajectory in enumerate(self._trained_share):
-                advantages[trajectory.job_id] = rows[row, : len(trajectory.token_ids)].tolist()
+            row = 0
+            for trajectory in self._trained_share:  # collate's rows: one per sequence, in order
+                values: list[float] = []
+                for start, end in itertools.pairwise([0, *trajectory.segments, len(trajectory.token_ids)]):
+                    values += rows[row, : end - start].tolist()
+                    row += 1
+                advantages[trajectory.job_id] = values
         for group in batch.groups:
             members = group.trajectories
             self.recorder.record_group(

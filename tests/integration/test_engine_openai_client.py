@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
+from chat_templates import TOOLS_TEMPLATE, WEATHER_TOOL
 from conftest import RunningServer, start_engine, stop_server, wait_until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,43 +29,6 @@ from services.engine_protocol import ChatCompletionRequest
 TEMPERATURE = 0.8
 TIMEOUT_S = 120.0
 QUESTION = [{"role": "user", "content": "P _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\nReach G and avoid O."}]
-# A minimal Hermes-style template (what Qwen2.5's does with tools, without its default system prompt).
-TOOLS_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-Call a function as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{{ message.content }}
-{%- for call in message.tool_calls %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("openai-client-model") / "policy-v0", 0, ["game"], 20, 20)

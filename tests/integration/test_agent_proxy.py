@@ -1,0 +1,391 @@
+"""Agent jobs through the rollout worker's recording proxy, driven by the official ``openai`` client.
+
+A real worker process (``stargym rollout``) takes ``agent`` jobs from real Redis and plays them
+against a real game env server and a real CPU engine serving the tiny policy with a chat template
+that renders tools. Most tests are the outside harness themselves: the job names this test's own
+HTTP server as its agent, the worker POSTs it the session (``HarnessCall``), and the test talks
+to the session with the ``openai`` package and ends it with ``/finish``. The recorded token ids
+and log-probs are checked against the engine's own answer for the same prompt and seed.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import queue
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+from chat_templates import TOOLS_TEMPLATE, WEATHER_TOOL
+from conftest import RunningServer, free_port, start_engine, start_server, stop_server, wait_until
+from transformers import AutoTokenizer
+
+from deploy.model_init import init_tiny_model
+from services.agent_protocol import HarnessCall
+from services.rollout_protocol import DATA_FIELD, RolloutJob, RunKeys, SamplingParams, Trajectory
+
+KEYS = RunKeys("test-agent-proxy")
+DEADLINE_S = 120.0
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny policy with a chat template that renders tools and tool calls."""
+    plain = init_tiny_model(tmp_path_factory.mktemp("proxy-model") / "policy-v0", 0, ["game"], 20, 20)
+    tools = plain.parent / "policy-tools"
+    shutil.copytree(plain, tools)
+    (tools / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return tools
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Path):
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    server = start_engine(model, tmp_path_factory.mktemp("proxy-engine"), "--threads", "1")
+    yield server
+    stop_server(server.process)
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[tuple[str, queue.Queue[HarnessCall]]]:
+    """This test as an outside harness: a real HTTP server that takes the worker's calls (202)."""
+    calls: queue.Queue[HarnessCall] = queue.Queue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            calls.put(HarnessCall.model_validate_json(body))
+            self.send_response(202)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/episodes", calls
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    engine: RunningServer,
+    game_server: RunningServer,
+    model: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningServer]:
+    port = free_port()
+    args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(model), "--port", str(port)]
+    args += ["--run", KEYS.run_id, "--env", f"game={game_server.url}"]
+    variables = {"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_AGENT_TIMEOUT_S": "60"}
+    server = start_server(args, port, tmp_path_factory.mktemp("proxy-worker"), env=variables, name="worker")
+    yield server
+    stop_server(server.process)
+
+
+@pytest.fixture(scope="module")
+def db(redis_url: str) -> Iterator[redis.Redis]:
+    """The session's Redis; this module's run has names of its own, so nothing is flushed."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def publish(
+    db: redis.Redis, agent: str, *, env: str = "game/bandit", max_turns: int = 4, seed: int = 3
+) -> RolloutJob:
+    job = RolloutJob(
+        run_id=KEYS.run_id,
+        env=env,
+        seed=seed,
+        group_id=f"g-{uuid.uuid4().hex[:8]}",
+        max_turns=max_turns,
+        sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=100 + seed),
+        policy_version=0,
+        kind="agent",
+        agent=agent,
+    )
+    db.xadd(KEYS.jobs, {DATA_FIELD: job.model_dump_json()})
+    return job
+
+
+def trajectory_of(db: redis.Redis, job: RolloutJob, worker: RunningServer) -> Trajectory:
+    def find() -> Trajectory | None:
+        for _, fields in db.xrange(KEYS.trajectories):
+            trajectory = Trajectory.model_validate_json(fields[DATA_FIELD.encode()])
+            if trajectory.job_id == job.job_id:
+                return trajectory
+        return None
+
+    return wait_until(find, f"the trajectory of {job.job_id}", deadline_s=DEADLINE_S, logs=[worker])
+
+
+def session(
+    db: redis.Redis, harness: tuple[str, queue.Queue[HarnessCall]], **job_fields
+) -> tuple[RolloutJob, HarnessCall, openai.OpenAI]:
+    """Publish an agent job for this test's harness; the call the worker makes, and a client of it."""
+    url, calls = harness
+    job = publish(db, url, **job_fields)
+    call = calls.get(timeout=DEADLINE_S)
+    assert call.task.job_id == job.job_id and call.task.max_turns == job.max_turns
+    client = openai.OpenAI(base_url=call.base_url, api_key=call.api_key, timeout=DEADLINE_S, max_retries=0)
+    return job, call, client
+
+
+def finish(call: HarnessCall, **outcome) -> dict:
+    response = httpx.post(call.finish_url, json=outcome, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def engine_sample(engine: RunningServer, prompt: list[int], seed: int, stop: list[str] | None = None) -> dict:
+    """The engine's own answer for this prompt under the job's sampling and this seed."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": seed,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    if stop:
+        body["stop"] = stop
+    response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=DEADLINE_S)
+    response.raise_for_status()
+    return response.json()["choices"][0]
+
+
+def turn_spans(trajectory: Trajectory) -> list[tuple[int, int, int]]:
+    """Per turn: where its prompt starts, where its reply starts, where it ends."""
+    spans, position = [], 0
+    for turn in trajectory.turns:
+        spans.append(
+            (position, position + turn.prompt_tokens, position + turn.prompt_tokens + turn.response_tokens)
+        )
+        position = spans[-1][2]
+    return spans
+
+
+def test_a_session_records_exactly_what_the_engine_sampled(
+    db: redis.Redis, harness, worker: RunningServer, engine: RunningServer, tokenizer
+) -> None:
+    job, call, client = session(db, harness)
+    assert call.task.instruction and "arms" in call.task.observation
+    assert [card.id for card in client.models.list().data] == ["policy"]
+    first = [{"role": "user", "content": f"{call.task.instruction}\n\n{call.task.observation}"}]
+    # What OpenAI clients send, accepted; sampling stays the run's (penalties are not applied).
+    reply = client.chat.completions.create(
+        model="gpt-4o",
+        messages=first,
+        logprobs=True,
+        top_logprobs=2,
+        user="someone",
+        presence_penalty=0.5,
+        temperature=0.1,
+        stop=["\n\n"],
+    )
+    choice = reply.choices[0]
+    assert reply.usage.completion_tokens == len(choice.logprobs.content) >= 1
+    assert all(len(entry.top_logprobs) <= 2 for entry in choice.logprobs.content)
+    # The SDK's own message object goes back into the history, as agents write it.
+    second = [*first, choice.message, {"role": "user", "content": "Which arm now?"}]
+    stream = client.chat.completions.create(
+        model="policy", messages=second, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert finish(call, reward=0.5) == {"session_id": call.session_id, "turns": 2, "segments": 1}
+
+    trajectory = trajectory_of(db, job, worker)
+    assert trajectory.error is None and trajectory.kind == "agent"
+    assert trajectory.reward == 0.5 and trajectory.success and trajectory.num_turns == 2
+    assert trajectory.segments == [] and not trajectory.truncated
+    assert [turn.reward for turn in trajectory.turns] == [0.0, 0.5]
+    assert trajectory.turns[0].response == (choice.message.content or "")
+    assert trajectory.turns[1].response == streamed
+    ids = trajectory.token_ids
+    (p1, r1, e1), (_, r2, e2) = turn_spans(trajectory)
+    assert e2 == len(ids) and trajectory.loss_mask == [0] * (r1 - p1) + [1] * (e1 - r1) + [0] * (r2 - e1) + [
+        1
+    ] * (e2 - r2)
+    # The prompts are the template's rendering of what the agent sent, the replies never re-tokenised.
+    assert tokenizer.decode(ids[:r1], skip_special_tokens=False) == render(tokenizer, first)
+    context = tokenizer.decode(ids[:r2], skip_special_tokens=False)
+    assert context.startswith(
+        render(tokenizer, first) + tokenizer.decode(ids[r1:e1], skip_special_tokens=False)
+    )
+    assert context.endswith("<|im_start|>user\nWhich arm now?<|im_end|>\n<|im_start|>assistant\n")
+    # Each reply is what the engine samples for that exact prompt and the turn's seed.
+    for turn, (_, start, end) in enumerate([(p1, r1, e1), (e1, r2, e2)]):
+        expected = engine_sample(
+            engine, ids[:start], job.sampling.seed + turn, ["\n\n"] if turn == 0 else None
+        )
+        assert ids[start:end] == expected["token_ids"]
+        assert trajectory.logprobs[start:end] == pytest.approx(
+            expected["logprobs"]["token_logprobs"], abs=1e-5
+        )
+    assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(
+        trajectory.logprobs[r1:e1], abs=1e-6
+    )
+
+
+def test_a_rewritten_history_starts_a_new_segment_and_the_env_reward_counts(
+    db: redis.Redis, harness, worker: RunningServer, tokenizer, game_server: RunningServer
+) -> None:
+    job, call, client = session(db, harness)
+    first = [{"role": "user", "content": call.task.observation}]
+    one = client.chat.completions.create(model="policy", messages=first).choices[0].message
+    second = [*first, {"role": "assistant", "content": one.content}, {"role": "user", "content": "Again."}]
+    two = client.chat.completions.create(model="policy", messages=second).choices[0].message
+    # The agent summarises: the history it sends no longer extends what the model saw.
+    summary = [{"role": "user", "content": f"So far you answered {two.content!r}. Pick an arm."}]
+    client.chat.completions.create(model="policy", messages=summary)
+    step = httpx.post(
+        f"{call.task.env_url}/instances/{call.task.instance_id}/step", json={"action": "Phoenix"}, timeout=30
+    )
+    assert step.status_code == 200 and step.json()["reward"] == pytest.approx(0.15)
+    assert finish(call)["segments"] == 2  # no reward: the env's total is the episode's
+
+    trajectory = trajectory_of(db, job, worker)
+    assert trajectory.error is None and trajectory.num_turns == 3
+    assert trajectory.reward == pytest.approx(0.15) and trajectory.success  # the reward, with no verdict
+    (_, _, _), (_, _, end_two), (start_three, reply_three, _) = turn_spans(trajectory)
+    assert trajectory.segments == [end_two] == [start_three]
+    # The new segment is the summary's whole prompt, then its reply: nothing of the first segment.
+    segment = trajectory.token_ids[start_three:]
+    assert tokenizer.decode(segment[: reply_three - start_three], skip_special_tokens=False) == render(
+        tokenizer, summary
+    )
+    assert (
+        trajectory.turns[1].observation == "Again."
+        and "So far you answered" in trajectory.turns[2].observation
+    )
+
+
+def test_tools_round_trip_through_the_template_and_one_segment(
+    db: redis.Redis, harness, worker: RunningServer, tokenizer
+) -> None:
+    job, call, client = session(db, harness)
+    history = [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+    ]
+    reply = client.chat.completions.create(
+        model="policy", messages=history, tools=[WEATHER_TOOL], tool_choice="auto"
+    )
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    more = [*history, message, {"role": "tool", "tool_call_id": "call_1", "content": "rainy"}]
+    client.chat.completions.create(model="policy", messages=more, tools=[WEATHER_TOOL])
+    # Other tools change the prompt from its start: a new segment.
+    client.chat.completions.create(model="policy", messages=more, tools=[])
+    finish(call, reward=1.0, success=False)
+
+    trajectory = trajectory_of(db, job, worker)
+    assert trajectory.error is None and not trajectory.success and trajectory.reward == 1.0
+    spans = turn_spans(trajectory)
+    assert trajectory.segments == [spans[2][0]]
+    text = tokenizer.decode(trajectory.token_ids[: spans[0][1]], skip_special_tokens=False)
+    assert text == render(tokenizer, _template_history(history), [WEATHER_TOOL])
+    assert (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text and "<tool_response>\nsunny" in text
+    )
+    second_prompt = tokenizer.decode(
+        trajectory.token_ids[spans[1][0] : spans[1][1]], skip_special_tokens=False
+    )
+    assert "<tool_response>\nrainy\n</tool_response>" in second_prompt and "<tools>" not in second_prompt
+
+
+def _template_history(history: list[dict]) -> list[dict]:
+    """``history`` as the template sees it: developer as system, tool-call arguments parsed."""
+    rendered = []
+    for message in history:
+        message = dict(message)
+        if message["role"] == "developer":
+            message["role"] = "system"
+        if message.get("tool_calls"):
+            message["content"] = message["content"] or ""
+            message["tool_calls"] = [
+                {
+                    **call,
+                    "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])},
+                }
+                for call in message["tool_calls"]
+            ]
+        rendered.append(message)
+    return rendered
+
+
+def test_what_a_session_refuses_is_a_clear_4xx_and_the_turn_limit_truncates(
+    db: redis.Redis, harness, worker: RunningServer
+) -> None:
+    job, call, client = session(db, harness, max_turns=1)
+    messages = [{"role": "user", "content": call.task.observation}]
+
+    def refused(**fields) -> str | None:
+        with pytest.raises(openai.BadRequestError) as refusal:
+            client.chat.completions.create(model="policy", messages=messages, **fields)
+        return refusal.value.code
+
+    assert refused(n=2) == "one_choice_per_call"
+    assert refused(response_format={"type": "json_object"}) == "unsupported_response_format"
+    client.chat.completions.create(model="policy", messages=messages)
+    assert refused() == "turn_limit_reached"
+    missing = httpx.post(f"{worker.url}/sessions/nope/v1/chat/completions", json={"messages": messages})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    finish(call, reward=0.0)
+    again = httpx.post(call.finish_url, json={"reward": 1.0}, timeout=30)
+    assert again.status_code == 404  # closed once the worker published the episode
+    trajectory = trajectory_of(db, job, worker)
+    assert trajectory.truncated and trajectory.num_turns == 1 and trajectory.error is None
+    assert trajectory.reward == 0.0 and not trajectory.success
+
+
+def test_a_python_agent_written_with_openai_plays_the_bandit(db: redis.Redis, worker: RunningServer) -> None:
+    jobs = [publish(db, "examples.openai_agent:play", max_turns=2, seed=seed) for seed in range(4)]
+    for job in jobs:
+        trajectory = trajectory_of(db, job, worker)
+        assert trajectory.error is None, trajectory.error
+        assert 1 <= trajectory.num_turns <= 2 and sum(trajectory.loss_mask) >= 1
+        # The env's reward and verdict: Dragon pays 1 or 0 (success), Phoenix 0.15, anything else 0.
+        assert trajectory.reward in (0.0, 0.15, 1.0)
+        if trajectory.reward == 1.0:
+            assert trajectory.success  # Dragon's payout
+        if trajectory.reward == 0.15:
+            assert not trajectory.success  # Phoenix
+    broken = publish(db, "examples.openai_agent:missing")
+    assert "has no async function 'missing'" in (trajectory_of(db, broken, worker).error or "")
