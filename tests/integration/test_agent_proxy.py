@@ -24,7 +24,7 @@ import openai
 import pytest
 import redis
 from chat_templates import TOOLS_TEMPLATE, WEATHER_TOOL
-from conftest import RunningServer, free_port, start_engine, start_server, stop_server, wait_until
+from conftest import REPO_ROOT, RunningServer, free_port, start_engine, start_server, stop_server, wait_until
 from transformers import AutoTokenizer
 
 from deploy.model_init import init_tiny_model
@@ -389,3 +389,9 @@ def test_a_python_agent_written_with_openai_plays_the_bandit(db: redis.Redis, wo
             assert not trajectory.success  # Phoenix
     broken = publish(db, "examples.openai_agent:missing")
     assert "has no async function 'missing'" in (trajectory_of(db, broken, worker).error or "")
+
+
+def test_the_readme_example_is_the_agent_these_tests_train() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("<!-- readme-example: openai-agent -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert block in (REPO_ROOT / "examples/openai_agent.py").read_text()

@@ -29,6 +29,8 @@ from services.engine_protocol import ChatCompletionRequest
 TEMPERATURE = 0.8
 TIMEOUT_S = 120.0
 QUESTION = [{"role": "user", "content": "P _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\nReach G and avoid O."}]
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("openai-client-model") / "policy-v0", 0, ["game"], 20, 20)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from synthetic import synthetic_trajectories
@@ -147,3 +149,24 @@ def test_micro_batches_fit_the_budget_and_recombine(
     assert torch.equal(full, batch.behaviour_logprobs)
     with pytest.raises(ValueError):
         micro_batches(batch, 0)
+
+
+def test_a_trajectory_with_segments_is_one_row_per_sequence(tiny, trajectories: list[Trajectory]) -> None:
+    """An agent that rewrote its history: each sequence its own row, each with the episode's return."""
+    episode = next(t for t in trajectories if t.num_turns >= 3)
+    ends = list(itertools.accumulate(turn.prompt_tokens + turn.response_tokens for turn in episode.turns))
+    split = ends[1]  # the third turn's prompt starts a new sequence
+    segmented = episode.model_copy(update={"segments": [split], "reward": 0.75})
+    batch = collate([trajectories[0], segmented], tiny[1].pad_token_id)
+    assert batch.size == 3 and batch.job_ids == [trajectories[0].job_id, episode.job_id, episode.job_id]
+    for row, (start, end) in zip((1, 2), ((0, split), (split, len(episode.token_ids))), strict=True):
+        n = end - start
+        assert batch.input_ids[row, :n].tolist() == episode.token_ids[start:end]
+        assert batch.response_mask[row, :n].tolist() == episode.loss_mask[start:end]
+        assert batch.attention_mask[row].sum() == n and batch.behaviour_logprobs[row, 0] == 0.0
+        assert batch.scores[row] == 0.75
+    assert batch.turn_end_indices is not None and batch.turn_rewards is not None
+    assert batch.turn_end_indices[1] == [ends[0] - 1, ends[1] - 1]
+    assert batch.turn_end_indices[2] == [end - split - 1 for end in ends[2:]]
+    assert batch.turn_rewards[1][-1] == batch.turn_rewards[2][-1] == 0.75
+    assert sum(batch.turn_rewards[1]) == sum(batch.turn_rewards[2]) == 0.75

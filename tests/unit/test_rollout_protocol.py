@@ -91,7 +91,17 @@ def test_sampling_bounds(bad: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"max_turns": 0}, {"seed": -1}, {"env": ""}, {"policy_version": -1}, {"action_format": "json"}],
+    [
+        {"max_turns": 0},
+        {"seed": -1},
+        {"env": ""},
+        {"policy_version": -1},
+        {"action_format": "json"},
+        {"kind": "agent"},  # an agent job names its agent
+        {"agent": "examples.openai_agent:play"},  # and only an agent job does
+        {"kind": "agent", "agent": "examples.openai_agent"},  # no function
+        {"kind": "agent", "agent": "ftp://harness"},
+    ],
 )
 def test_job_refuses_bad_values(bad: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
@@ -117,11 +127,23 @@ def test_job_refuses_bad_values(bad: dict[str, Any]) -> None:
         ({"reward": float("nan")}, "finite"),
         ({"timings": {"total_s": float("inf")}}, "finite"),
         ({"worker_id": ""}, "at least 1"),
+        ({"segments": [0]}, "segments must rise strictly"),
+        ({"segments": [4, 4]}, "segments must rise strictly"),
+        ({"segments": [8]}, "segments must rise strictly"),
     ],
 )
 def test_trajectory_consistency_is_enforced(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         Trajectory.model_validate(trajectory_fields(**overrides))
+
+
+@pytest.mark.parametrize("agent", ["examples.openai_agent:play", "http://harness:9000/episodes"])
+def test_an_agent_job_names_a_function_or_a_harness_url(agent: str) -> None:
+    job = make_job(kind="agent", agent=agent)
+    assert RolloutJob.model_validate_json(job.model_dump_json()) == job
+    assert Trajectory.model_validate(trajectory_fields(kind="agent", agent=agent, segments=[4])).segments == [
+        4
+    ]
 
 
 def test_trajectory_version_is_the_oldest_turn_version() -> None:
