@@ -97,6 +97,8 @@ class AgentEnv:
     success: bool | None = None
     """The env's last verdict (``info.success``), None until a step gives one."""
     steps: int = 0
+    error: EpisodeEnvError | None = None
+    """The first env failure: the episode is rerun even if the agent caught it."""
     env_s: float = field(default=0.0, repr=False)
 
     @property
@@ -126,9 +128,11 @@ class AgentEnv:
         try:
             return await request
         except EnvClientError as exc:
-            raise EpisodeEnvError(
+            failure = EpisodeEnvError(
                 f"{self.task.env}: {stage} failed: {exc}", stage=stage, instance_id=self.task.instance_id
-            ) from exc
+            )
+            self.error = self.error or failure
+            raise failure from exc
         finally:
             self.env_s += time.perf_counter() - started
 
@@ -185,10 +189,10 @@ async def play_agent_episode(
             ) from None
         except (EpisodeEnvError, AgentError):
             raise
-        except Exception as exc:  # the agent's own exception
-            if session.engine_error is not None:  # it failed because the engine did: rerun
-                raise session.engine_error from exc
+        except Exception as exc:  # the agent's own exception, unless a service failed under it
+            _rerun_if_a_service_failed(env, session)
             raise AgentError(f"agent {job.agent!r} raised {type(exc).__name__}: {exc}") from exc
+        _rerun_if_a_service_failed(env, session)  # an agent that carried on past the failure
         reward = outcome.reward
         if reward is None:
             reward = await env.total_reward()
@@ -226,6 +230,15 @@ async def play_agent_episode(
         },
         worker_id="agent",
     )
+
+
+def _rerun_if_a_service_failed(env: AgentEnv, session: RecordingSession) -> None:
+    """Raise the env or engine failure the episode met, if any: the worker reruns such an episode
+    (its record is incomplete) whatever the agent made of the failure."""
+    if env.error is not None:
+        raise env.error
+    if session.engine_error is not None:
+        raise session.engine_error
 
 
 async def _run(
