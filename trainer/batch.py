@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from services.rollout_protocol import Trajectory
+from trainer.algorithms.advantages import LaterSegment
 
 
 class UntrainableTrajectoryError(ValueError):
@@ -222,7 +223,8 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
     (and counts them) before collating. Per-turn rewards are kept when every trajectory's turns
     tile its tokens (see :func:`_turn_structure`), else ``turn_rewards`` is None. A trajectory
     with ``segments`` gives one row per sequence (see :func:`_rows`), each with the episode's
-    return; group statistics then count each of its rows, like an episode of its own.
+    return; the rows after its first have their group id as a
+    :class:`~trainer.algorithms.advantages.LaterSegment`, so group baselines count the episode once.
     """
     if not trajectories:
         raise ValueError("collate needs at least one trajectory")
@@ -263,7 +265,10 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch
         top_k=torch.tensor([t.sampling.top_k or 0 for t in episodes], dtype=torch.long),
         truncated=torch.tensor([t.truncated for t in episodes], dtype=torch.bool),
         index=torch.arange(batch, dtype=torch.long),
-        group_ids=[t.group_id for t in episodes],
+        group_ids=[
+            row.trajectory.group_id if row.start == 0 else LaterSegment(row.trajectory.group_id)
+            for row in rows
+        ],
         env_ids=[t.env for t in episodes],
         job_ids=[t.job_id for t in episodes],
         policy_versions=[t.policy_version for t in episodes],

@@ -9,8 +9,10 @@ import torch
 from pydantic import ValidationError
 
 from trainer.algorithms.advantages import (
+    LaterSegment,
     episode_scores,
     gae_advantages,
+    group_stats,
     grpo_advantages,
     last_trainable_index,
     normalize_group_scores,
@@ -270,3 +272,23 @@ def test_bootstrap_and_whitening_defaults_follow_the_estimator() -> None:
     assert AlgorithmConfig(advantage="rloo", whiten_advantages=True).whitens_advantages
     with pytest.raises(ValidationError, match="no critic to bootstrap from"):
         AlgorithmConfig(advantage="grpo", bootstrap_truncated=True)
+
+
+@pytest.mark.parametrize("norm_adv", ["group", "batch", "none"])
+def test_a_later_segment_gets_its_episodes_advantage_and_counts_once(norm_adv: str) -> None:
+    """An episode collated as two rows (an agent's rewritten history) weighs once in its group."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.5])
+    once = normalize_group_scores(scores, ["g", "g", "g", "h"], norm_adv)
+    twice = normalize_group_scores(
+        torch.tensor([1.0, 1.0, 0.0, 0.0, 0.5]), ["g", LaterSegment("g"), "g", "g", "h"], norm_adv
+    )
+    expected = once.tolist()
+    assert twice.tolist() == pytest.approx([expected[0], *expected])
+    counted_twice = normalize_group_scores(
+        torch.tensor([1.0, 1.0, 0.0, 0.0, 0.5]), ["g", "g", "g", "g", "h"], norm_adv
+    )
+    assert counted_twice[0] != pytest.approx(once[0])  # what the marker prevents
+    mean, _, size = group_stats(torch.tensor([1.0, 1.0, 0.0, 0.0]), ["g", LaterSegment("g"), "g", "g"])
+    assert mean.tolist() == pytest.approx([1 / 3] * 4) and size.tolist() == [3.0] * 4
+    rloo, _ = rloo_advantages(torch.tensor([1.0, 1.0, 0.0]), torch.ones(3, 2), ["g", LaterSegment("g"), "g"])
+    assert rloo[:, 0].tolist() == pytest.approx([1.0, 1.0, -1.0])

@@ -12,6 +12,7 @@ from deploy.model_init import init_tiny_model
 from services.policy import load_policy
 from services.rollout_protocol import SamplingParams, Trajectory
 from trainer.algorithms import logprobs_from_logits
+from trainer.algorithms.advantages import LaterSegment
 from trainer.batch import TrainBatch, UntrainableTrajectoryError, collate, micro_batches
 
 
@@ -159,6 +160,9 @@ def test_a_trajectory_with_segments_is_one_row_per_sequence(tiny, trajectories: 
     segmented = episode.model_copy(update={"segments": [split], "reward": 0.75})
     batch = collate([trajectories[0], segmented], tiny[1].pad_token_id)
     assert batch.size == 3 and batch.job_ids == [trajectories[0].job_id, episode.job_id, episode.job_id]
+    # The second sequence is in the episode's group, and not counted in its statistics again.
+    assert batch.group_ids == [trajectories[0].group_id, episode.group_id, episode.group_id]
+    assert [isinstance(key, LaterSegment) for key in batch.group_ids] == [False, False, True]
     for row, (start, end) in zip((1, 2), ((0, split), (split, len(episode.token_ids))), strict=True):
         n = end - start
         assert batch.input_ids[row, :n].tolist() == episode.token_ids[start:end]

@@ -24,6 +24,28 @@ NormAdv = Literal["group", "batch", "none"]
 GroupIds = torch.Tensor | Sequence[Hashable]
 
 
+class LaterSegment(str):
+    """The group id of a row that continues an episode already in the batch.
+
+    An agent that rewrote its history leaves a trajectory of several sequences
+    (``Trajectory.segments``), collated as one row each with the episode's return. The rows after
+    the first carry their group id as a ``LaterSegment``: equal to it (same group, same
+    statistics handed back), but not counted in the group's mean, std and size, so an episode
+    weighs once in its baseline however many sequences it took.
+    """
+
+    __slots__ = ()
+
+
+def _episode_weights(group_ids: GroupIds, like: torch.Tensor) -> torch.Tensor:
+    """``[B]``: 1 for a row that counts in its group's statistics, 0 for a :class:`LaterSegment`."""
+    if isinstance(group_ids, torch.Tensor):
+        return torch.ones_like(like, dtype=torch.float32)
+    return torch.tensor(
+        [0.0 if isinstance(key, LaterSegment) else 1.0 for key in group_ids], device=like.device
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Reward placement
 # --------------------------------------------------------------------------------------------
@@ -167,14 +189,18 @@ def group_stats(scores: torch.Tensor, group_ids: GroupIds) -> tuple[torch.Tensor
     """Per-episode statistics of its group, each ``[B]``: ``(mean, std, size)``.
 
     scores: ``[B]`` episode rewards. ``std`` is the unbiased (Bessel) standard deviation, 0 for a
-    group of one.
+    group of one. Rows whose group id is a :class:`LaterSegment` get their group's statistics
+    but are not counted in them (their episode's first row is).
     """
     index, num_groups = group_index(group_ids, scores.device)
     scores = scores.to(torch.float32)
-    size = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
-    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    weight = _episode_weights(group_ids, scores)
+    size = torch.zeros(num_groups, device=scores.device).index_add_(0, index, weight)
+    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, weight * scores)
     mean = total / size
-    squared = torch.zeros(num_groups, device=scores.device).index_add_(0, index, (scores - mean[index]) ** 2)
+    squared = torch.zeros(num_groups, device=scores.device).index_add_(
+        0, index, weight * (scores - mean[index]) ** 2
+    )
     std = torch.where(size > 1, (squared / (size - 1).clamp(min=1)).sqrt(), torch.zeros_like(size))
     return mean[index], std[index], size[index]
 
@@ -202,7 +228,8 @@ def normalize_group_scores(
     if norm_adv == "group":
         scale = std + eps
     elif norm_adv == "batch":
-        batch_std = scores.to(torch.float32).std() if scores.numel() > 1 else centred.new_zeros(())
+        counted = scores.to(torch.float32)[_episode_weights(group_ids, scores) > 0]
+        batch_std = counted.std() if counted.numel() > 1 else centred.new_zeros(())
         scale = (batch_std + eps).expand_as(centred)
     else:
         raise ValueError(f"norm_adv must be 'group', 'batch' or 'none', got {norm_adv!r}")
