@@ -48,9 +48,12 @@ class EvalSummary:
     """How often each first action was chosen (the bandit's arm), over all episodes."""
 
     @property
+    def episodes(self) -> int:
+        return sum(r.episodes for r in self.results)
+
+    @property
     def success(self) -> float:
-        episodes = sum(r.episodes for r in self.results)
-        return sum(r.successes for r in self.results) / max(episodes, 1)
+        return sum(r.successes for r in self.results) / max(self.episodes, 1)
 
     @property
     def invalid_rate(self) -> float:
@@ -191,6 +194,7 @@ def report_dict(report: DemoReport) -> dict[str, Any]:
         return {
             "policy": s.policy,
             "success": s.success,
+            "episodes": s.episodes,
             "invalid_rate": s.invalid_rate,
             "mean_return": s.mean_return,
             "first_actions": s.first_actions,

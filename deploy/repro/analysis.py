@@ -13,6 +13,7 @@ collapse from). The end-of-run held-out success says whether the run came back.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class RunResult:
     held_out_success: float | None
     """Sampled success of the newest policy on the held-out seeds; None if the run did not finish."""
     updates: int
+    held_out_episodes: int = 0
+    """Episodes behind ``held_out_success`` (0: unknown, a report from before it was recorded)."""
 
     @property
     def collapse_step(self) -> int | None:
@@ -90,8 +93,10 @@ def read_run(run_dir: Path, seed: int) -> RunResult:
     if events.exists():
         warnings = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     report = run_dir / "demo-report.json"
-    held_out = json.loads(report.read_text())["after"]["success"] if report.exists() else None
-    return RunResult(seed, run_dir, curves, warnings, held_out, updates)
+    after = json.loads(report.read_text())["after"] if report.exists() else {}
+    held_out = after.get("success")
+    episodes = after.get("episodes") or sum(after.get("first_actions", {}).values())
+    return RunResult(seed, run_dir, curves, warnings, held_out, updates, episodes)
 
 
 @dataclass
@@ -109,6 +114,19 @@ class ArmSummary:
     def mean_success(self) -> float | None:
         values = [run.held_out_success for run in self.finished if run.held_out_success is not None]
         return statistics.fmean(values) if values else None
+
+    @property
+    def success_standard_error(self) -> float | None:
+        """Of :attr:`mean_success`, from its binomial spread over the held-out episodes of its seeds
+        (seed-to-seed variation not counted: with one seed it cannot be); None when unknown."""
+        runs = self.finished
+        if not runs or any(run.held_out_episodes <= 0 for run in runs):
+            return None
+        variance = sum(
+            (run.held_out_success or 0.0) * (1 - (run.held_out_success or 0.0)) / run.held_out_episodes
+            for run in runs
+        )
+        return math.sqrt(variance) / len(runs)
 
     @property
     def collapsed(self) -> int:

@@ -16,6 +16,7 @@ import platform
 import statistics
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from deploy.repro.analysis import COLLAPSE_FRACTION, COLLAPSE_WINDOW, CURVE_KEYS, MIN_PEAK, ArmSummary
 from deploy.repro.findings import Expectation, Finding
@@ -28,6 +29,8 @@ TITLES = {
     "train/grad_norm": "gradient norm",
 }
 WARNING_COLOUR = "#d62728"
+NOISE_SIGMAS = 2.0
+"""A success difference smaller than this many standard errors of it shows no direction."""
 
 
 def verdict(expectation: Expectation, arms: dict[str, ArmSummary]) -> str:
@@ -43,6 +46,15 @@ def verdict(expectation: Expectation, arms: dict[str, ArmSummary]) -> str:
         agrees = high >= low
         shown = f"held-out success {high:.2f} vs {low:.2f}"
         claim = f"{better.label} ends at least as high as {worse.label}"
+        errors = [better.success_standard_error, worse.success_standard_error]
+        if None not in errors:
+            noise = NOISE_SIGMAS * math.hypot(*errors)  # type: ignore[arg-type]
+            if abs(high - low) < noise:
+                return (
+                    f"{better.label} vs {worse.label}: held-out success {high:.2f} vs {low:.2f}, a difference "
+                    f"within the evaluation's noise (±{noise:.2f}, {NOISE_SIGMAS:g} standard errors): "
+                    "neither direction is shown"
+                )
     else:
         if better.collapsed == worse.collapsed == 0:
             return (
@@ -66,14 +78,23 @@ def _step(value: float) -> str:
 
 
 def plot(finding: Finding, arms: dict[str, ArmSummary], configs: dict[str, TrainConfig], out: Path) -> None:
-    """Four panels (:data:`CURVE_KEYS` against the update step), one line per arm."""
+    """``out``: the PNG of :func:`figure_of`."""
+    import matplotlib.pyplot as plt
+
+    figure = figure_of(finding, arms, configs)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+
+
+def figure_of(finding: Finding, arms: dict[str, ArmSummary], configs: dict[str, TrainConfig]) -> Any:
+    """Four panels (:data:`CURVE_KEYS` against the update step), one line per arm; a matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colours = dict(zip(arms, plt.get_cmap("tab10").colors, strict=False))
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True, layout="constrained")
     for axis, key in zip(axes.flat, CURVE_KEYS, strict=True):
         for label, arm in arms.items():
             steps, mean, low, high = _band([run.curves.get(key, []) for run in arm.runs])
@@ -84,8 +105,10 @@ def plot(finding: Finding, arms: dict[str, ArmSummary], configs: dict[str, Train
                 axis.fill_between(steps, low, high, color=colours[label], alpha=0.15, linewidth=0)
             for stage_step, _ in configs[label].curriculum.horizon_schedule[1:]:
                 axis.axvline(stage_step, color=colours[label], linestyle="--", linewidth=0.8, alpha=0.6)
-            if key == "rollout/success":
-                fired = [event["step"] for run in arm.runs for event in run.warnings]
+            fired = [event["step"] for run in arm.runs for event in run.warnings]
+            if key == "rollout/success" and fired:
+                # Unclipped, so the marks sit above the panel; an empty unclipped line would count as
+                # a point at the figure's origin in the layout and squeeze every panel into a strip.
                 axis.plot(fired, [1.02] * len(fired), "v", color=WARNING_COLOUR, markersize=5, clip_on=False)
         axis.set_title(TITLES[key])
         axis.grid(alpha=0.3)
@@ -93,10 +116,8 @@ def plot(finding: Finding, arms: dict[str, ArmSummary], configs: dict[str, Train
         axis.set_xlabel("update step")
     axes[0][0].set_ylim(0, 1.05)
     axes[0][0].legend(fontsize=8)
-    figure.suptitle(f"{finding.title} (mean over seeds, band: lowest to highest; ▼ a training warning)")
-    figure.tight_layout()
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    figure.suptitle(f"{finding.title}\n(mean over seeds, band: lowest to highest; ▼ a training warning)")
+    return figure
 
 
 def _band(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[float], list[float], list[float]]:

@@ -10,7 +10,7 @@ import pytest
 from deploy.repro.analysis import ArmSummary, RunResult, collapse_step
 from deploy.repro.command import run_dir_of, summarise
 from deploy.repro.findings import FINDINGS, Expectation, Finding
-from deploy.repro.report import verdict, write_index, write_report
+from deploy.repro.report import figure_of, verdict, write_index, write_report
 from deploy.train import load_train_config
 
 
@@ -75,6 +75,23 @@ def test_verdicts_say_when_the_runs_go_the_papers_way_and_when_not() -> None:
     assert "not every arm finished" in verdict(Expectation("a", "d", "success"), unfinished)
 
 
+def test_a_difference_within_the_evaluations_noise_shows_no_direction() -> None:
+    def arm(label: str, *successes: float) -> ArmSummary:
+        runs = [
+            RunResult(seed, Path(f"seed-{seed}"), {}, [], success, 100, 256)
+            for seed, success in enumerate(successes)
+        ]
+        return ArmSummary(label, runs)
+
+    close = {"a": arm("a", 0.15), "b": arm("b", 0.13)}  # 2 SE of the difference: 0.06
+    said = verdict(Expectation("a", "b", "success"), close)
+    assert "within the evaluation's noise" in said and "neither direction" in said
+    assert "paper found" not in verdict(Expectation("b", "a", "success"), close)
+    apart = {"a": arm("a", 0.30, 0.28), "b": arm("b", 0.13, 0.15)}
+    assert verdict(Expectation("a", "b", "success"), apart).endswith(", as the paper found")
+    assert arm("a", 0.5).success_standard_error == pytest.approx((0.25 / 256) ** 0.5)
+
+
 def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None:
     finding = FINDINGS["echo-trap"]
     arms = {
@@ -88,6 +105,22 @@ def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None
     assert "| starpo | " in text and "| starpo-s | " in text
     assert f"| {collapse_step(COLLAPSING)} | no |" in text  # starpo's collapse step; no warning fired
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_panels_fill_the_figure_with_and_without_warnings() -> None:
+    """An arm without warnings once squeezed every panel into a strip (an empty unclipped line)."""
+    finding = FINDINGS["echo-trap"]
+    warned = RunResult(
+        0, Path("seed-0"), {"rollout/success": COLLAPSING}, [{"kind": "collapse", "step": 45}], 0.1, 80
+    )
+    arms = {
+        "starpo": ArmSummary("starpo", [warned]),
+        "starpo-s": ArmSummary("starpo-s", [run(0, 0.6, HEALTHY)]),
+    }
+    configs = {arm.label: load_train_config(arm.config, list(arm.overrides)) for arm in finding.arms}
+    figure = figure_of(finding, arms, configs)
+    figure.canvas.draw()
+    assert min(axis.get_position().height for axis in figure.axes) > 0.3
 
 
 def test_a_report_covers_every_arm_with_runs_on_disk(tmp_path: Path) -> None:
