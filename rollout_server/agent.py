@@ -14,6 +14,9 @@ opens a :class:`~rollout_server.session.RecordingSession` and hands the episode 
 
 The trajectory is the session's record (exact sampled ids, behaviour log-probs, loss mask, and
 ``segments`` where the agent rewrote its history) with the episode's reward on its last turn.
+The steps a Python agent takes through :class:`AgentEnv` are credited to the reply before them:
+that turn's ``actions``, and ``valid`` False when the env rejected one (so the run's
+``invalid_penalty`` and invalid-rate metrics apply to agents as to the worker's own episodes).
 The reward is the agent's, else the env server's total for the instance; ``success`` is the
 agent's, else the env's last verdict, else ``reward > 0``.
 
@@ -93,6 +96,10 @@ class AgentEnv:
     task: AgentTask
     observation: str
     """The latest observation: the first one, then each step's."""
+    replies_so_far: Callable[[], int] = lambda: 0
+    """How many chat replies the session has given: a step is the act of the latest one."""
+    actions: dict[int, list[tuple[str, bool]]] = field(default_factory=dict)
+    """Per reply (its index), the steps taken after it: the action and whether the env accepted it."""
     done: bool = False
     success: bool | None = None
     """The env's last verdict (``info.success``), None until a step gives one."""
@@ -109,6 +116,8 @@ class AgentEnv:
         """Carry ``action`` out; the result's reward counts toward the episode's (the env's total)."""
         result = await self._call(self.envs.step(self.task.instance_id, action), f"step {self.steps}")
         self.steps += 1
+        valid = bool(result.info.get("valid", True))
+        self.actions.setdefault(self.replies_so_far() - 1, []).append((action, valid))
         self.observation, self.done = result.observation, result.done
         if "success" in result.info:
             self.success = bool(result.info["success"])
@@ -177,7 +186,7 @@ async def play_agent_episode(
         env_url=envs.base_url,
         instance_id=created.instance_id,
     )
-    env = AgentEnv(envs, task, created.observation)
+    env = AgentEnv(envs, task, created.observation, lambda: len(session.record.turns))
     host.sessions.add(session)
     error: str | None = None
     try:
@@ -205,7 +214,17 @@ async def play_agent_episode(
     record = session.record
     if error is None and not record.turns:
         error = f"agent {job.agent!r} made no chat call through its session: nothing to train on"
-    turns = list(record.turns)
+    turns = [
+        turn.model_copy(
+            update={
+                "actions": [action for action, _ in env.actions[index]],
+                "valid": all(valid for _, valid in env.actions[index]),
+            }
+        )
+        if index in env.actions
+        else turn
+        for index, turn in enumerate(record.turns)
+    ]
     if turns:
         turns[-1] = turns[-1].model_copy(update={"reward": reward, "done": env.done})
     success = outcome.success if outcome.success is not None else env.success

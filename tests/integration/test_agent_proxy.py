@@ -383,6 +383,10 @@ def test_a_python_agent_written_with_openai_plays_the_bandit(db: redis.Redis, wo
         assert 1 <= trajectory.num_turns <= 2 and sum(trajectory.loss_mask) >= 1
         # The env's reward and verdict: Dragon pays 1 or 0 (success), Phoenix 0.15, anything else 0.
         assert trajectory.reward in (0.0, 0.15, 1.0)
+        # Each step is credited to the reply before it: the action sent, and whether the env took it.
+        for turn in trajectory.turns:
+            assert turn.actions == [turn.response]
+            assert turn.valid == (turn.response.strip(".'\" ").lower() in ("dragon", "phoenix"))
         if trajectory.reward == 1.0:
             assert trajectory.success  # Dragon's payout
         if trajectory.reward == 0.15:
