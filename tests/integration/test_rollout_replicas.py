@@ -427,7 +427,9 @@ async def test_with_one_replica_a_killed_env_server_fails_its_episodes_naming_th
             for reason in (first, error):
                 assert LOST_CONNECTION.search(reason), reason
             assert trajectory.env_server == server.url and not trajectory.trainable
-        assert ended_s < 10.0, f"the episodes took {ended_s:.1f} s to fail"
+        # Failed on the broken connections, not after the env timeout (60 s). How many seconds that
+        # takes depends on the machine's load, so the line is the timeout, not a guess below it.
+        assert ended_s < settings.env_timeout_s / 2, f"the episodes took {ended_s:.1f} s to fail"
         assert worker.status().jobs_failed == 2 and pending_jobs(db) == 0
     finally:
         await worker.shutdown()
