@@ -11,6 +11,9 @@ opens a :class:`~rollout_server.session.RecordingSession` and hands the episode 
 * an http(s) URL: an outside harness, in any language, is sent a
   :class:`~services.agent_protocol.HarnessCall` and ends the episode with
   ``POST /sessions/{id}/finish``; it steps the instance over the env server's REST API.
+* ``pull``: the same, but outside harnesses take the episodes themselves: ``POST /sessions`` on
+  the worker answers the next waiting episode's :class:`~services.agent_protocol.HarnessCall`
+  (a harness behind NAT, a notebook, a script: no server of its own).
 
 The trajectory is the session's record (exact sampled ids, behaviour log-probs, loss mask, and
 ``segments`` where the agent rewrote its history) with the episode's reward on its last turn.
@@ -47,7 +50,7 @@ from services.agent_protocol import AgentTask, HarnessCall, SessionFinish
 from services.env_client import EnvClient, EnvClientError
 from services.env_protocol import StepResult
 from services.http_client import ClientErrors, HttpClient
-from services.rollout_protocol import RolloutJob, Trajectory
+from services.rollout_protocol import AGENT_PULL, RolloutJob, Trajectory
 
 AgentFn = Callable[[openai.AsyncOpenAI, AgentTask, "AgentEnv"], Awaitable[float | None]]
 """``async def agent(client, task, env) -> reward | None``."""
@@ -265,15 +268,18 @@ async def _run(
 ) -> SessionFinish:
     """Hand the episode to the agent and wait for its end."""
     path = f"/sessions/{session.session_id}"
+    call = HarnessCall(
+        session_id=session.session_id,
+        base_url=f"{host.public_url}{path}/v1",
+        finish_url=f"{host.public_url}{path}/finish",
+        api_key=host.api_key,
+        model=MODEL_NAME,
+        task=task,
+    )
+    if agent == AGENT_PULL:
+        host.sessions.offer(call)
+        return await host.sessions.finished(session.session_id, host.timeout_s)
     if agent.startswith(("http://", "https://")):
-        call = HarnessCall(
-            session_id=session.session_id,
-            base_url=f"{host.public_url}{path}/v1",
-            finish_url=f"{host.public_url}{path}/finish",
-            api_key=host.api_key,
-            model=MODEL_NAME,
-            task=task,
-        )
         answer = await host.harness.request("POST", agent, call.model_dump(mode="json"))
         if answer.status >= 300:
             raise AgentError(f"harness {agent} refused the episode: {answer.status} {answer.payload[:200]!r}")

@@ -11,6 +11,8 @@ one agent episode (:mod:`rollout_server.agent`); what its calls sample is record
 * ``GET /sessions/{id}/v1/models``: the one model a session serves (any name is accepted).
 * ``POST /sessions/{id}/finish``: an outside harness ends its episode
   (``services.agent_protocol.SessionFinish``).
+* ``POST /sessions``: a harness takes the next episode of a ``pull`` run (201 with its
+  ``HarnessCall``; 204 when none is waiting: poll).
 
 An unknown or closed session is a 404, a finished one a 409.
 """
@@ -20,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from rollout_server.agent import MODEL_NAME
 from rollout_server.session import SessionRegistry
-from services.agent_protocol import SessionFinish, SessionFinished
+from services.agent_protocol import HarnessCall, SessionFinish, SessionFinished
 from services.engine_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -39,7 +41,7 @@ from services.engine_protocol import (
 )
 from services.http_app import dumps_json, error_responses
 
-router = APIRouter(prefix="/sessions/{session_id}", tags=["agent sessions"])
+router = APIRouter(prefix="/sessions", tags=["agent sessions"])
 DONE = "data: [DONE]\n\n"
 
 
@@ -48,7 +50,20 @@ def _sessions(request: Request) -> SessionRegistry:
 
 
 @router.post(
-    "/v1/chat/completions",
+    "",
+    response_model=HarnessCall,
+    status_code=201,
+    responses={204: {"description": "No episode is waiting for a harness now: ask again later."}},
+)
+async def take_session(request: Request) -> Any:
+    """A harness takes the next episode of a run whose agent is ``pull``: its session's base URL,
+    where to finish it, and the task. Answers at once: 204 while none is waiting (poll)."""
+    call = _sessions(request).take()
+    return Response(status_code=204) if call is None else call
+
+
+@router.post(
+    "/{session_id}/v1/chat/completions",
     response_model=ChatCompletionResponse,
     responses=error_responses(400, 404, 409, 502),
 )
@@ -62,7 +77,7 @@ async def chat_completions(session_id: str, body: ChatCompletionRequest, request
     return StreamingResponse(_events(response, include_usage), media_type="text/event-stream")
 
 
-@router.get("/v1/models", response_model=ModelList, responses=error_responses(404, 409))
+@router.get("/{session_id}/v1/models", response_model=ModelList, responses=error_responses(404, 409))
 async def models(session_id: str, request: Request) -> ModelList:
     """The model this session samples from: the policy the worker's engines serve now."""
     session = _sessions(request).get(session_id)
@@ -77,7 +92,7 @@ async def models(session_id: str, request: Request) -> ModelList:
     )
 
 
-@router.post("/finish", response_model=SessionFinished, responses=error_responses(404, 409))
+@router.post("/{session_id}/finish", response_model=SessionFinished, responses=error_responses(404, 409))
 async def finish(session_id: str, body: SessionFinish, request: Request) -> SessionFinished:
     """The harness's episode is over: its reward (None: the env's), and the session closes."""
     session = _sessions(request).finish(session_id, body)

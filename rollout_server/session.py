@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,7 @@ from rollout_server.engine.chat import (
     template_tools,
 )
 from rollout_server.episode import ChatFormat, chat_format
-from services.agent_protocol import SessionFinish
+from services.agent_protocol import HarnessCall, SessionFinish
 from services.engine_client import Completion, EngineClient, EngineClientError, EngineContextLengthError
 from services.engine_protocol import (
     ChatCompletionChoice,
@@ -356,12 +357,23 @@ class SessionRegistry:
 
     def __init__(self) -> None:
         self._open: dict[str, _Open] = {}
-
-    def __len__(self) -> int:
-        return len(self._open)
+        self._waiting: deque[HarnessCall] = deque()
 
     def add(self, session: RecordingSession) -> None:
         self._open[session.session_id] = _Open(session, asyncio.get_running_loop().create_future())
+
+    def offer(self, call: HarnessCall) -> None:
+        """Make the session of ``call`` one that a harness may take (:meth:`take`)."""
+        self._waiting.append(call)
+
+    def take(self) -> HarnessCall | None:
+        """The oldest offered session still open; None if there is none."""
+        while self._waiting:
+            call = self._waiting.popleft()
+            entry = self._open.get(call.session_id)
+            if entry is not None and not entry.finished.done():
+                return call  # else its episode ended (timed out, worker stopping) before a harness came
+        return None
 
     def get(self, session_id: str) -> RecordingSession:
         """The open session ``session_id``; a 404 once it was closed or if it never was."""

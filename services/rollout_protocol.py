@@ -99,8 +99,11 @@ class RunKeys:
 
 ActionFormat = Literal["plain", "answer_tags"]
 JobKind = Literal["env", "agent"]
-AGENT_ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^https?://\S+$"
-"""An agent: ``package.module:function`` (run in the worker) or an http(s) URL (an outside harness)."""
+AGENT_PULL = "pull"
+"""The agent of jobs that outside harnesses take from a worker themselves (``POST /sessions``)."""
+AGENT_ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^https?://\S+$|^pull$"
+"""An agent: ``package.module:function`` (run in the worker), an http(s) URL (an outside harness the
+worker sends each episode to), or ``pull`` (outside harnesses take episodes by REST)."""
 
 
 class RolloutWireModel(WireModel):
@@ -147,8 +150,9 @@ class JobFields(RolloutWireModel):
         default=None,
         pattern=AGENT_ENTRY_POINT,
         description="For kind 'agent': 'package.module:function', an async function the worker calls "
-        "with an openai.AsyncOpenAI client of the episode's session, the task and the env; or the "
-        "http(s) URL of an outside harness, which the worker POSTs the session to.",
+        "with an openai.AsyncOpenAI client of the episode's session, the task and the env; the "
+        "http(s) URL of an outside harness, which the worker POSTs the session to; or 'pull': an "
+        "outside harness takes the session with POST /sessions on the worker.",
     )
 
     @model_validator(mode="after")

@@ -399,6 +399,30 @@ def test_a_python_agent_written_with_openai_plays_the_bandit(db: redis.Redis, wo
     assert "has no async function 'missing'" in (trajectory_of(db, broken, worker).error or "")
 
 
+def test_a_harness_without_a_server_takes_its_episodes_by_rest(
+    db: redis.Redis, worker: RunningServer
+) -> None:
+    """``agent: pull``: the harness asks the worker for work (POST /sessions) instead of serving it."""
+    assert httpx.post(f"{worker.url}/sessions", timeout=30).status_code == 204  # nothing waits yet
+    job = publish(db, "pull")
+    taken = wait_until(
+        lambda: (answer := httpx.post(f"{worker.url}/sessions", timeout=30)).status_code == 201 and answer,
+        "the episode to be offered",
+        deadline_s=DEADLINE_S,
+        logs=[worker],
+    )
+    call = HarnessCall.model_validate(taken.json())
+    assert call.task.job_id == job.job_id
+    assert httpx.post(f"{worker.url}/sessions", timeout=30).status_code == 204  # taken once
+    # Plain HTTP, as a harness in another language would send it.
+    body = {"model": "policy", "messages": [{"role": "user", "content": call.task.observation}]}
+    reply = httpx.post(f"{call.base_url}/chat/completions", json=body, timeout=DEADLINE_S)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "assistant"
+    finish(call, reward=0.25)
+    trajectory = trajectory_of(db, job, worker)
+    assert trajectory.error is None and trajectory.reward == 0.25 and trajectory.num_turns == 1
+
+
 def test_the_readme_example_is_the_agent_these_tests_train() -> None:
     readme = (REPO_ROOT / "README.md").read_text()
     block = readme.split("<!-- readme-example: openai-agent -->\n```python\n", 1)[1].split("```", 1)[0]

@@ -101,6 +101,7 @@ def test_sampling_bounds(bad: dict[str, Any]) -> None:
         {"agent": "examples.openai_agent:play"},  # and only an agent job does
         {"kind": "agent", "agent": "examples.openai_agent"},  # no function
         {"kind": "agent", "agent": "ftp://harness"},
+        {"kind": "agent", "agent": "push"},
     ],
 )
 def test_job_refuses_bad_values(bad: dict[str, Any]) -> None:
@@ -137,7 +138,7 @@ def test_trajectory_consistency_is_enforced(overrides: dict[str, Any], message: 
         Trajectory.model_validate(trajectory_fields(**overrides))
 
 
-@pytest.mark.parametrize("agent", ["examples.openai_agent:play", "http://harness:9000/episodes"])
+@pytest.mark.parametrize("agent", ["examples.openai_agent:play", "http://harness:9000/episodes", "pull"])
 def test_an_agent_job_names_a_function_or_a_harness_url(agent: str) -> None:
     job = make_job(kind="agent", agent=agent)
     assert RolloutJob.model_validate_json(job.model_dump_json()) == job
