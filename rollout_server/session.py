@@ -49,6 +49,7 @@ from rollout_server.engine.chat import (
     ParsedReply,
     parse_tool_calls,
     parses_tool_calls,
+    refuse_unsupported,
     template_messages,
     template_tools,
 )
@@ -276,19 +277,10 @@ class RecordingSession:
 
 
 def _check(request: ChatCompletionRequest) -> None:
-    """What a recording session cannot do, refused as the engine's chat route refuses it."""
+    """What a recording session cannot do: one reply per call, and what the engine's routes refuse."""
     if request.n != 1:
         raise bad_request("one_choice_per_call", f"n={request.n}: a session records one reply per call")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(
-            "unsupported_response_format",
-            f"response_format {request.response_format.type!r}: decoding cannot be constrained to JSON "
-            "here; ask for JSON in the prompt and parse the text",
-        )
-    if request.top_logprobs is not None and not request.logprobs:
-        raise bad_request("top_logprobs_without_logprobs", "top_logprobs needs logprobs: true")
-    if request.stream_options is not None and not request.stream:
-        raise bad_request("stream_options_without_stream", "stream_options is only allowed with stream: true")
+    refuse_unsupported(request)
 
 
 def _extends(messages: list[dict[str, Any]], previous: list[dict[str, Any]]) -> bool:

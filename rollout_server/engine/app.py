@@ -33,6 +33,7 @@ from rollout_server.engine.chat import (
     ParsedReply,
     parse_tool_calls,
     parses_tool_calls,
+    refuse_unsupported,
     template_messages,
     template_tools,
 )
@@ -233,8 +234,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     """
     state = _state(request)
     _check_request(body, state)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs_without_logprobs", "top_logprobs needs logprobs: true")
     tools = template_tools(body)
     messages = template_messages(body)
     try:
@@ -289,14 +288,7 @@ def _check_request(body: CompletionRequest | ChatCompletionRequest, state: Engin
         raise bad_request(
             "too_many_samples", f"n={body.n} exceeds max_num_seqs={state.settings.max_num_seqs}"
         )
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(
-            "unsupported_response_format",
-            f"response_format {body.response_format.type!r}: the CPU engine cannot constrain decoding to "
-            "JSON; use vLLM (or ask for JSON in the prompt and parse the text)",
-        )
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options_without_stream", "stream_options is only allowed with stream: true")
+    refuse_unsupported(body)
 
 
 def _sequences(

@@ -24,6 +24,7 @@ from services.engine_protocol import (
     AssistantMessage,
     ChatCompletionRequest,
     FunctionCall,
+    SamplingFields,
     SystemMessage,
     ToolCall,
     ToolMessage,
@@ -36,6 +37,22 @@ TOOL_CALL_END = "</tool_call>"
 # A block runs to its end tag, or to the end of the reply if the model stopped before writing it
 # (max_tokens, a stop string), as vLLM's hermes parser reads it.
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """What no OpenAI route of ours can do, refused as vLLM refuses what it cannot: JSON
+    ``response_format`` (no guided decoding), ``stream_options`` without ``stream``, and on chat
+    ``top_logprobs`` without ``logprobs``. Shared by the engine's routes and the recording proxy."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(
+            "unsupported_response_format",
+            f"response_format {body.response_format.type!r}: the CPU engine cannot constrain decoding to "
+            "JSON; use vLLM (or ask for JSON in the prompt and parse the text)",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options_without_stream", "stream_options is only allowed with stream: true")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs_without_logprobs", "top_logprobs needs logprobs: true")
 
 
 def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 import redis
-from chat_templates import TOOLS_TEMPLATE, WEATHER_TOOL
+from chat_templates import TOOL_HISTORY, TOOLS_TEMPLATE, WEATHER_TOOL
 from conftest import REPO_ROOT, RunningServer, free_port, start_engine, start_server, stop_server, wait_until
 from transformers import AutoTokenizer
 
@@ -288,22 +288,7 @@ def test_tools_round_trip_through_the_template_and_one_segment(
     db: redis.Redis, harness, worker: RunningServer, tokenizer
 ) -> None:
     job, call, client = session(db, harness)
-    history = [
-        {"role": "developer", "content": "Use the tools."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_0",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
-    ]
+    history = TOOL_HISTORY
     reply = client.chat.completions.create(
         model="policy", messages=history, tools=[WEATHER_TOOL], tool_choice="auto"
     )

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
-from chat_templates import TOOLS_TEMPLATE, WEATHER_TOOL
+from chat_templates import TOOL_HISTORY, TOOLS_TEMPLATE, WEATHER_TOOL
 from conftest import RunningServer, start_engine, stop_server, wait_until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -225,22 +225,7 @@ def test_tools_are_rendered_and_a_tool_round_trip_is_accepted(
                 tool_choice="required",
             )
             assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens
-            history = [
-                {"role": "developer", "content": "Use the tools."},
-                {"role": "user", "content": "Weather in Paris?"},
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "call_0",
-                            "type": "function",
-                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                        }
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
-            ]
+            history = TOOL_HISTORY
             answer = client.chat.completions.create(
                 model="tiny",
                 messages=history,
