@@ -1,6 +1,6 @@
 """What a rollout worker and an agent harness say to each other about one agent episode.
 
-An ``agent`` job (:attr:`services.rollout_protocol.JobFields.kind`) is played by the user's
+An ``agent`` job (one whose :attr:`services.rollout_protocol.JobFields.agent` is set) is played by the user's
 agent through a recording session of the worker (``/sessions/{id}/v1``, OpenAI-compatible). An
 agent in Python is called in the worker with an :class:`AgentTask`; a harness outside Python
 (another language, another machine) is sent a :class:`HarnessCall` at its URL and reports the

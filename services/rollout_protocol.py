@@ -140,26 +140,21 @@ class JobFields(RolloutWireModel):
     action_format: ActionFormat | None = Field(default=None, description="None: the env's own action format.")
     options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
     created_at: float = Field(default_factory=time.time, description="Unix time the job was issued.")
-    kind: JobKind = Field(
-        default="env",
-        description="'env': the worker plays the episode with its own loop (instruction, reply "
-        "parsing, env steps). 'agent': the user's agent (`agent`) plays it through the worker's "
-        "recording OpenAI-compatible proxy, one session per episode (rollout_server.agent).",
-    )
     agent: str | None = Field(
         default=None,
         pattern=AGENT_ENTRY_POINT,
-        description="For kind 'agent': 'package.module:function', an async function the worker calls "
+        description="None: the worker plays the episode with its own loop (instruction, reply parsing, "
+        "env steps). Else the user's agent plays it through the worker's recording OpenAI-compatible "
+        "proxy, one session per episode (rollout_server.agent): 'package.module:function', an async function the worker calls "
         "with an openai.AsyncOpenAI client of the episode's session, the task and the env; the "
         "http(s) URL of an outside harness, which the worker POSTs the session to; or 'pull': an "
         "outside harness takes the session with POST /sessions on the worker.",
     )
 
-    @model_validator(mode="after")
-    def _agent_iff_agent_kind(self) -> Self:
-        if (self.kind == "agent") != (self.agent is not None):
-            raise ValueError("an 'agent' job names its agent, and only an 'agent' job does")
-        return self
+    @property
+    def kind(self) -> JobKind:
+        """``agent`` when the user's agent plays the episode, ``env`` when the worker's own loop does."""
+        return "env" if self.agent is None else "agent"
 
 
 class RolloutJob(JobFields):

@@ -210,13 +210,21 @@ def db(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @contextlib.contextmanager
-def loopback_http_server(status_of: Callable[[str], int]) -> Iterator[str]:
+def loopback_http_server(
+    status_of: Callable[[str], int], on_post: Callable[[str, bytes], int] | None = None
+) -> Iterator[str]:
     """A real HTTP server on a free loopback port answering each GET with ``status_of(path)`` and an
-    empty body; yields its base URL. For probes (health checks, waits) that only read the status."""
+    empty body, and each POST with ``on_post(path, body)`` (405 without it); yields its base URL.
+    For probes (health checks, waits) that only read the status, and for receivers of calls."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(status_of(self.path))
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(405 if on_post is None else on_post(self.path, body))
             self.end_headers()
 
         def log_message(self, *args: object) -> None:

@@ -358,7 +358,6 @@ class Controller:
                 policy_version=self.policy_version,
                 action_format=rollout.action_format,
                 options=env.options,
-                kind="env" if rollout.agent is None else "agent",
                 agent=rollout.agent,
             )
             for member in range(rollout.group_size)

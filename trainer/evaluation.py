@@ -78,7 +78,6 @@ def make_eval_jobs(
             policy_version=version,
             action_format=config.rollout.action_format,
             options=env.held_out_options,
-            kind="env" if config.rollout.agent is None else "agent",
             agent=config.rollout.agent,
         )
         for env_index, env in enumerate(config.envs.mix)

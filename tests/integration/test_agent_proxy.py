@@ -10,11 +10,9 @@ and log-probs are checked against the engine's own answer for the same prompt an
 
 from __future__ import annotations
 
-import http.server
 import json
 import queue
 import shutil
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,16 @@ import openai
 import pytest
 import redis
 from chat_templates import TOOL_HISTORY, TOOLS_TEMPLATE, WEATHER_TOOL
-from conftest import REPO_ROOT, RunningServer, free_port, start_engine, start_server, stop_server, wait_until
+from conftest import (
+    REPO_ROOT,
+    RunningServer,
+    free_port,
+    loopback_http_server,
+    start_engine,
+    start_server,
+    stop_server,
+    wait_until,
+)
 from transformers import AutoTokenizer
 
 from deploy.model_init import init_tiny_model
@@ -63,22 +70,12 @@ def harness() -> Iterator[tuple[str, queue.Queue[HarnessCall]]]:
     """This test as an outside harness: a real HTTP server that takes the worker's calls (202)."""
     calls: queue.Queue[HarnessCall] = queue.Queue()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            calls.put(HarnessCall.model_validate_json(body))
-            self.send_response(202)
-            self.end_headers()
+    def take(path: str, body: bytes) -> int:
+        calls.put(HarnessCall.model_validate_json(body))
+        return 202
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/episodes", calls
-    server.shutdown()
-    server.server_close()
+    with loopback_http_server(lambda path: 404, on_post=take) as url:
+        yield f"{url}/episodes", calls
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +114,6 @@ def publish(
         max_turns=max_turns,
         sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=100 + seed),
         policy_version=0,
-        kind="agent",
         agent=agent,
     )
     db.xadd(KEYS.jobs, {DATA_FIELD: job.model_dump_json()})

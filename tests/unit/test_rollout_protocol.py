@@ -97,11 +97,10 @@ def test_sampling_bounds(bad: dict[str, Any]) -> None:
         {"env": ""},
         {"policy_version": -1},
         {"action_format": "json"},
-        {"kind": "agent"},  # an agent job names its agent
-        {"agent": "examples.openai_agent:play"},  # and only an agent job does
-        {"kind": "agent", "agent": "examples.openai_agent"},  # no function
-        {"kind": "agent", "agent": "ftp://harness"},
-        {"kind": "agent", "agent": "push"},
+        {"kind": "agent"},  # derived from agent, never sent
+        {"agent": "examples.openai_agent"},  # no function
+        {"agent": "ftp://harness"},
+        {"agent": "push"},
     ],
 )
 def test_job_refuses_bad_values(bad: dict[str, Any]) -> None:
@@ -140,11 +139,10 @@ def test_trajectory_consistency_is_enforced(overrides: dict[str, Any], message: 
 
 @pytest.mark.parametrize("agent", ["examples.openai_agent:play", "http://harness:9000/episodes", "pull"])
 def test_an_agent_job_names_a_function_or_a_harness_url(agent: str) -> None:
-    job = make_job(kind="agent", agent=agent)
+    job = make_job(agent=agent)
+    assert job.kind == "agent" and make_job().kind == "env"
     assert RolloutJob.model_validate_json(job.model_dump_json()) == job
-    assert Trajectory.model_validate(trajectory_fields(kind="agent", agent=agent, segments=[4])).segments == [
-        4
-    ]
+    assert Trajectory.model_validate(trajectory_fields(agent=agent, segments=[4])).segments == [4]
 
 
 def test_trajectory_version_is_the_oldest_turn_version() -> None:
