@@ -30,6 +30,7 @@ from conftest import (
     wait_until,
 )
 from dashboard_data import SCRIPT, make_run
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from deploy.up import bring_up
 
@@ -66,6 +67,16 @@ class Page:
     def open(self, route: str) -> None:
         self.page.goto(f"{self.base_url}/{route}")
         self.page.wait_for_load_state("networkidle")
+
+    def click_or_explain(self, selector: str) -> None:
+        """Click the first match; when none shows up in time, fail with what the page said instead."""
+        try:
+            self.page.locator(selector).first.click()
+        except PlaywrightTimeoutError:
+            raise AssertionError(
+                f"no {selector} within {PAGE_DEADLINE_MS} ms; the page said:\n{self.page.inner_text('body')}"
+                f"\nconsole errors: {self.errors}"
+            ) from None
 
     def shot(self, name: str) -> None:
         self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
@@ -110,8 +121,17 @@ def test_dashboard_live_and_finished(browser: object, tmp_path: Path, empty_redi
         assert live.page.locator(".down").count() == 0, live.page.inner_text("body")
         live.shot("system-live")
 
+        trainer = httpx.Client(base_url=stack.trainer.url, timeout=10.0)
+        live_run = trainer.get("/api/runs").json()["live_run"]
+        wait_until(
+            lambda: trainer.get(f"/api/runs/{live_run}/trajectories").json()["total"],
+            "the trainer's trajectory log to hold an episode",
+            deadline_s=60,
+            logs=[stack.trainer],
+        )
+        trainer.close()
         live.open("#/trajectories")
-        live.page.locator("a[href^='#/trajectory/']").first.click()
+        live.click_or_explain("a[href^='#/trajectory/']")
         live.page.wait_for_selector("span.tok")
         assert live.page.locator('span.tok[data-mask="0"]').count() > 0
         assert live.page.locator('span.tok[data-mask="1"]').count() > 0
