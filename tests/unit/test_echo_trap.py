@@ -1,8 +1,9 @@
-"""Echo-trap watch: collapse of reward std and entropy together, gradient-norm spikes."""
+"""Echo-trap watch: collapse of reward std, entropy and reward together, gradient-norm spikes."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 
@@ -12,9 +13,12 @@ from trainer.algorithms.echo_trap import EchoTrapConfig, EchoTrapDetector
 
 
 def feed(detector: EchoTrapDetector, series, start: int = 0):
+    """Feed (std, entropy, grad norm, length[, mean reward]) tuples; returns the events."""
     events = []
-    for offset, (std, entropy, grad, length) in enumerate(series):
-        events += detector.update(start + offset, std, entropy, grad, length)
+    for offset, (std, entropy, grad, length, *reward) in enumerate(series):
+        events += detector.update(
+            start + offset, std, entropy, grad, length, reward_mean=reward[0] if reward else None
+        )
     return events
 
 
@@ -75,6 +79,32 @@ def test_fires_when_reward_std_and_entropy_collapse_together() -> None:
     assert all(b.step - a.step >= 10 for a, b in itertools.pairwise(events))
 
 
+def test_no_collapse_alarm_when_the_policy_converges_on_the_answer() -> None:
+    # FrozenLake solved: groups all succeed (std 0), the policy is sure (entropy ~0), reward holds
+    learning = [(0.45, 1.5 - i / 40, 1.0, 10, 0.2 + i / 100) for i in range(40)]
+    converged = [(0.02, 0.03, 1.0, 10, 0.6) for _ in range(100)]
+    assert feed(EchoTrapDetector(), learning + converged) == []
+
+
+def test_collapse_alarm_when_the_reward_falls_with_std_and_entropy() -> None:
+    learning = [(0.45, 1.5 - i / 40, 1.0, 10, 0.2 + i / 100) for i in range(40)]
+    trapped = [(0.02, 0.03, 1.0, 3, 0.05) for _ in range(30)]
+    events = feed(EchoTrapDetector(EchoTrapConfig(window=10, reward_drop=0.5)), learning + trapped)
+    assert events, "no warning on a collapse whose reward fell"
+    first = events[0]
+    assert first.kind == "collapse" and 40 < first.step <= 50
+    # the rolling reward fell from its peak (0.545) by at least half the peak in-group std (0.45)
+    assert first.details["reward_mean_peak"] - first.details["reward_mean"] >= 0.5 * 0.45
+    assert "mean reward fell" in first.message
+
+
+def test_a_small_dip_in_reward_is_not_a_collapse() -> None:
+    # std and entropy collapsed, reward 0.1 below its peak: less than half the peak std (0.45)
+    learning = [(0.45, 1.5 - i / 40, 1.0, 10, 0.2 + i / 100) for i in range(40)]
+    dipped = [(0.02, 0.03, 1.0, 10, 0.49) for _ in range(60)]
+    assert feed(EchoTrapDetector(), learning + dipped) == []
+
+
 def test_fires_on_a_gradient_norm_spike() -> None:
     detector = EchoTrapDetector(EchoTrapConfig(spike_factor=10.0, spike_window=20))
     series = steady(30)
@@ -112,6 +142,20 @@ def test_state_dict_round_trip_keeps_the_reference() -> None:
     assert feed(EchoTrapDetector(), collapse, 40) == []  # without the restored peak: nothing to compare
 
 
+def test_state_dict_round_trip_keeps_the_reward_peak() -> None:
+    learning = [(0.45, 1.5 - i / 40, 1.0, 10, 0.2 + i / 100) for i in range(40)]
+    detector = EchoTrapDetector()
+    feed(detector, learning)
+    restored = EchoTrapDetector()
+    restored.load_state_dict(json.loads(json.dumps(detector.state_dict())))  # state.json is JSON
+    trapped = [(0.02, 0.03, 1.0, 3, 0.05) for _ in range(15)]
+    assert feed(EchoTrapDetector(), trapped, 40) == []  # a fresh detector has no peak to fall from
+    assert [e.to_dict() for e in feed(restored, trapped, 40)] == [
+        e.to_dict() for e in feed(detector, trapped, 40)
+    ]
+    assert restored.state_dict()["peak_reward_mean"] == pytest.approx(0.545)
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
         EchoTrapConfig(collapse_fraction=1.5)
@@ -119,6 +163,8 @@ def test_config_validation() -> None:
         EchoTrapConfig(spike_factor=0.5)
     with pytest.raises(ValueError):
         EchoTrapConfig(window=0)
+    with pytest.raises(ValueError):
+        EchoTrapConfig(reward_drop=-0.1)
 
 
 def feed_signal(detector: EchoTrapDetector, shares, start: int = 0, reward_mean: float = -1.0):
