@@ -50,6 +50,12 @@ class RunResult:
         return collapse_step(self.curves.get("rollout/success", []))
 
     @property
+    def collapse_warnings(self) -> int:
+        """How many echo-trap collapse warnings the trainer logged; in a run that never collapsed,
+        each one was a false alarm."""
+        return sum(event["kind"] == "collapse" for event in self.warnings)
+
+    @property
     def warned_before_collapse(self) -> bool | None:
         """Whether an echo-trap warning (collapse or gradient spike) fired at or before the
         collapse; None when the run did not collapse."""

@@ -164,8 +164,8 @@ def write_report(
         "## Arms",
         "",
         "| arm | overrides | seeds | updates | held-out success (mean; per seed) | collapse step per seed | "
-        "warned before collapse |",
-        "|---|---|---|---|---|---|---|",
+        "warned before collapse | collapse warnings |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, arm in arms.items():
         overrides = " ".join(f"`{item}`" for item in finding.arm(label).overrides) or "the recipe"
@@ -180,15 +180,19 @@ def write_report(
             "—" if run.warned_before_collapse is None else ("yes" if run.warned_before_collapse else "no")
             for run in arm.runs
         )
+        warnings = ", ".join(str(run.collapse_warnings) for run in arm.runs)
         updates = ", ".join(str(run.updates) for run in arm.runs)
         success = "—" if mean is None else f"{mean:.2f}; {per_seed}"
         lines.append(
-            f"| {label} | {overrides} | {len(arm.runs)} | {updates} | {success} | {collapses} | {warned} |"
+            f"| {label} | {overrides} | {len(arm.runs)} | {updates} | {success} | {collapses} | {warned} "
+            f"| {warnings} |"
         )
     lines += [
         "",
         f"Collapse: the first update whose success over the last {COLLAPSE_WINDOW} updates is below "
         f"{COLLAPSE_FRACTION:g}x the best such mean before it (once that best reached {MIN_PEAK:g}). "
+        "Collapse warnings: the trainer's echo-trap warnings per seed (each one in a run that did not "
+        "collapse was a false alarm). "
         "Held-out success: the newest policy on the recipe's held-out seeds, sampled.",
         "",
         "![curves](curves.png)",

@@ -103,7 +103,7 @@ def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None
     text = report.read_text()
     assert "`stargym repro echo-trap --seeds 1`" in text
     assert "| starpo | " in text and "| starpo-s | " in text
-    assert f"| {collapse_step(COLLAPSING)} | no |" in text  # starpo's collapse step; no warning fired
+    assert f"| {collapse_step(COLLAPSING)} | no | 0 |" in text  # starpo's collapse step; no warning fired
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -118,6 +118,7 @@ def test_the_panels_fill_the_figure_with_and_without_warnings() -> None:
         "starpo-s": ArmSummary("starpo-s", [run(0, 0.6, HEALTHY)]),
     }
     configs = {arm.label: load_train_config(arm.config, list(arm.overrides)) for arm in finding.arms}
+    assert (warned.collapse_warnings, run(0, 0.6, HEALTHY).collapse_warnings) == (1, 0)
     figure = figure_of(finding, arms, configs)
     figure.canvas.draw()
     assert min(axis.get_position().height for axis in figure.axes) > 0.3
