@@ -308,6 +308,12 @@ class AlgorithmConfig(Section):
         "the estimator's default: on for gae (as verl does), off for grpo and rloo (normalised "
         "within groups) and reinforce_pp (whitened by definition).",
     )
+    share_duplicate_advantage: bool = Field(
+        default=False,
+        description="Identical episodes of a group (the same tokens) split one advantage between "
+        "them instead of each taking it whole, so a reply is not reinforced in proportion to how "
+        "often it was sampled (trainer.algorithms.advantages.duplicate_shares).",
+    )
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
     @field_validator("advantage")

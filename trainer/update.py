@@ -51,6 +51,7 @@ from torch import nn
 
 from trainer.algorithms import (
     aggregate_loss,
+    duplicate_shares,
     episode_turns,
     kl_penalty,
     masked_whiten,
@@ -261,6 +262,9 @@ class PolicyUpdater:
         )
         if self.algo.whitens_advantages:
             advantages = masked_whiten(advantages, mask, sum_over_ranks=self.parallelism.all_reduce)
+        if self.algo.share_duplicate_advantage:
+            shares = duplicate_shares(batch.input_ids, batch.attention_mask, batch.group_ids)
+            advantages = advantages * shares.unsqueeze(1)
         return advantages, returns, None if critic_values is None else critic_values.values
 
     def _critic_values(self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int) -> CriticValues:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from trainer.algorithms.advantages import (
     LaterSegment,
+    duplicate_shares,
     episode_scores,
     gae_advantages,
     group_stats,
@@ -292,3 +293,22 @@ def test_a_later_segment_gets_its_episodes_advantage_and_counts_once(norm_adv: s
     assert mean.tolist() == pytest.approx([1 / 3] * 4) and size.tolist() == [3.0] * 4
     rloo, _ = rloo_advantages(torch.tensor([1.0, 1.0, 0.0]), torch.ones(3, 2), ["g", LaterSegment("g"), "g"])
     assert rloo[:, 0].tolist() == pytest.approx([1.0, 1.0, -1.0])
+
+
+def test_identical_episodes_of_a_group_split_one_share() -> None:
+    """Rows 0, 1 and 3 are one episode sampled three times in group g; row 4 has row 0's tokens in
+    another group, row 5 row 0's tokens with different padding after them, row 6 a later segment."""
+    a, b = [5, 6, 7], [5, 6, 8]
+    rows = [a, a, b, a, a, a, a]
+    input_ids = torch.zeros(len(rows), 4, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), 4, dtype=torch.long)
+    for i, tokens in enumerate(rows):
+        input_ids[i, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[i, : len(tokens)] = 1
+    input_ids[5, 3] = 99  # padding: not compared
+    group_ids = ["g", "g", "g", "g", "h", "g", LaterSegment("g")]
+    shares = duplicate_shares(input_ids, attention_mask, group_ids)
+    assert shares.tolist() == pytest.approx([1 / 4, 1 / 4, 1.0, 1 / 4, 1.0, 1 / 4, 1.0])
+    assert duplicate_shares(input_ids, attention_mask, torch.tensor([0, 0, 0, 0, 1, 0, 2])).tolist() == (
+        pytest.approx([1 / 4, 1 / 4, 1.0, 1 / 4, 1.0, 1 / 4, 1.0])
+    )

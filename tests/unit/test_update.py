@@ -253,6 +253,41 @@ def test_grpo_raises_the_probability_of_the_rewarded_token(model_dir: Path) -> N
     assert after.mean() > 1.5 * before.mean()
 
 
+def test_identical_episodes_split_their_advantage_when_asked(model_dir: Path) -> None:
+    """algorithm.share_duplicate_advantage: an episode sampled three times in its group trains
+    with a third of its advantage on each copy; distinct episodes keep theirs."""
+    model, tokenizer = load_policy(model_dir)
+    trajectories = synthetic_trajectories(
+        model,
+        groups=2,
+        group_size=4,
+        vocab_ids=_vocab(tokenizer),
+        first_prompt_len=12,
+        turns=(1, 1),
+        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=2),
+        seed=3,
+    )
+    for row, trajectory in enumerate(trajectories):  # row 0's reply earns 1, every other 0
+        reward = float(row == 0)
+        turn = trajectory.turns[-1].model_copy(update={"reward": reward})
+        trajectories[row] = trajectory.model_copy(update={"reward": reward, "turns": [turn]})
+    for row in (1, 2):  # rows 1 and 2 are row 0 sampled again
+        trajectories[row] = trajectories[0].model_copy(update={"job_id": f"copy-{row}"})
+    batch = collate(trajectories, tokenizer.pad_token_id)
+
+    def advantages(**algorithm) -> torch.Tensor:
+        fresh, _ = load_policy(model_dir)
+        updater = PolicyUpdater(fresh, _config(advantage="grpo", **algorithm))
+        updater.update(batch)
+        assert updater.last_advantages is not None
+        return updater.last_advantages
+
+    whole, shared = advantages(), advantages(share_duplicate_advantage=True)
+    assert whole[0].abs().sum() > 0
+    assert torch.allclose(shared[:3], whole[:3] / 3)
+    assert torch.allclose(shared[3:], whole[3:])
+
+
 def test_gae_critic_value_loss_decreases(model_dir: Path) -> None:
     model, tokenizer = load_policy(model_dir)
     batch = _batch(model, tokenizer, seed=7)

@@ -2,6 +2,7 @@
 ScalingInter-RL schedules and the echo-trap watch. See docs/architecture.md ("Training")."""
 
 from trainer.algorithms.advantages import (
+    duplicate_shares,
     episode_scores,
     gae_advantages,
     group_stats,
@@ -44,6 +45,7 @@ __all__ = [
     "HorizonSchedule",
     "StageChange",
     "aggregate_loss",
+    "duplicate_shares",
     "entropy_from_logits",
     "episode_scores",
     "episode_turns",

@@ -46,6 +46,34 @@ def _episode_weights(group_ids: GroupIds, like: torch.Tensor) -> torch.Tensor:
     )
 
 
+def duplicate_shares(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, group_ids: GroupIds
+) -> torch.Tensor:
+    """``[B]``: ``1 / n`` for a row whose exact tokens appear ``n`` times in its group.
+
+    input_ids, attention_mask: ``[B, S]`` (right padding); group_ids: ``[B]``.
+    Scaling each row's advantage by its share makes ``A_i ∇log π(y_i)`` count once per *distinct*
+    episode ``y`` of a group instead of once per sample of it. When several replies are equally
+    good (every valid first move of FrozenLake's one-turn stage earns the same reward), the policy
+    gradient pushes each in proportion to how often it was sampled, ``π(y)(1 - π(y))``, so
+    whichever move happened to be likelier grows fastest and the stage ends with an arbitrary mix.
+    Counted once, the likelier reply gets the smaller push, ``1 - π(y)``, and equally good
+    replies keep their spread. Padding is not compared; a :class:`LaterSegment` row is only the
+    duplicate of another later segment.
+    """
+    keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    lengths = attention_mask.sum(dim=1).tolist()
+    rows = input_ids.cpu()
+    signatures = [
+        (key, isinstance(key, LaterSegment), rows[i, : int(lengths[i])].numpy().tobytes())
+        for i, key in enumerate(keys)
+    ]
+    counts: dict[tuple[Hashable, bool, bytes], int] = {}
+    for signature in signatures:
+        counts[signature] = counts.get(signature, 0) + 1
+    return torch.tensor([1.0 / counts[signature] for signature in signatures], device=input_ids.device)
+
+
 # --------------------------------------------------------------------------------------------
 # Reward placement
 # --------------------------------------------------------------------------------------------
