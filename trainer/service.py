@@ -493,21 +493,40 @@ class Trainer:
             logger.warning("step %d: no eval round started, the previous one is still being played", step)
 
     async def _evaluate_at_the_end(self) -> None:
-        """Evaluate the final policy (waiting out a round still in flight first), then ack the episodes."""
+        """Evaluate the final policy (waiting out a round still in flight first), then ack the episodes.
+
+        A stop (SIGTERM) ends the wait: the round may take up to ``group_timeout_s`` (30 min by
+        default) when no worker plays it, and the checkpoint is already saved.
+        """
         assert self.controller is not None
         previous_state, self.state = self.state, "evaluating"
         timeout = self.config.rollout.group_timeout_s
-        pending = await self.controller.wait_eval(timeout)
+        pending = await self._unless_stopped(self.controller.wait_eval(timeout))
         if pending is not None:
             self._log_eval(pending)
         controller, step = self.controller, self.step
-        if pending is None or pending.step != step:
+        if not self._stop.is_set() and (pending is None or pending.step != step):
             await self._redis(f"issuing the eval round of step {step}", lambda: controller.start_eval(step))
-            final = await controller.wait_eval(timeout)
+            final = await self._unless_stopped(controller.wait_eval(timeout))
             if final is not None:
                 self._log_eval(final)
+        if self._stop.is_set():
+            logger.warning("step %d: the end-of-run evaluation was abandoned, the trainer was stopped", step)
         await self._redis(f"acking what step {step} used", lambda: controller.commit(step))
         self.state = previous_state
+
+    async def _unless_stopped(self, waiting: Awaitable[T]) -> T | None:
+        """``await waiting``, or None as soon as :meth:`stop` is called (``waiting`` is cancelled)."""
+        wait = asyncio.ensure_future(waiting)
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if wait.done():
+            return wait.result()
+        wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wait
+        return None
 
     def _log_eval(self, round_: EvalRound) -> None:
         record = round_.record()

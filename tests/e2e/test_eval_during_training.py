@@ -80,3 +80,38 @@ def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, empty_re
     trained = {job for r in records if r["event"] == "batch" for job in r["job_ids"]}
     assert trained and not any(job.startswith(eval_group_prefix("e2e-eval")) for job in trained)
     assert sum(r["jobs"] for r in records if r["event"] == "eval") == 3 * EPISODES
+
+
+def test_sigterm_ends_an_end_of_run_evaluation_that_cannot_finish(
+    tmp_path: Path, empty_redis_url: str
+) -> None:
+    """The end-of-run round waits up to ``group_timeout_s`` (30 min) for its episodes; with the
+    rollout worker frozen it can never finish, and a SIGTERM must still end the trainer at once,
+    its last checkpoint saved and its episodes acked."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        *short_run_overrides(tmp_path, "e2e-eval-stop"),
+        f"dashboard.port={free_port()}",
+        "optim.total_steps=2",
+        "checkpoint.save_every=2",
+        "eval.episodes=512",
+    ]
+    with bring_up(
+        REPO_ROOT / "configs/bandit-tiny.yaml", overrides, redis_url=empty_redis_url, private=True
+    ) as stack:
+        wait_until(
+            lambda: (s := stack.trainer_status()) and s["state"] == "evaluating",
+            "the trainer to start its end-of-run evaluation",
+            deadline_s=5 * 60,
+            interval_s=0.05,
+            logs=[stack.trainer],
+        )
+        stack.worker.process.send_signal(signal.SIGSTOP)
+        try:
+            stack.trainer.process.terminate()
+            assert stack.trainer.process.wait(timeout=30) in (0, -signal.SIGTERM), stack.trainer.log()[-4000:]
+        finally:
+            stack.worker.process.send_signal(signal.SIGCONT)
+        assert "end-of-run evaluation was abandoned" in stack.trainer.log()
+    assert (run_dir / "step-2").is_dir()
+    assert [r["step"] for r in read_controller_log(run_dir) if r["event"] == "commit"][-1] == 2
