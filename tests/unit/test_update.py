@@ -17,7 +17,7 @@ from synthetic import synthetic_trajectories
 
 from deploy.model_init import init_tiny_model
 from services.policy import load_policy
-from services.rollout_protocol import SamplingParams
+from services.rollout_protocol import SamplingParams, Trajectory
 from trainer.algorithms import (
     logprobs_from_logits,
     next_token_entropy,
@@ -211,29 +211,38 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(model_dir: Path,
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
+def _one_turn(
+    model, tokenizer, *, groups: int, group_size: int, max_tokens: int, seed: int
+) -> list[Trajectory]:
+    """Single-turn episodes of ``max_tokens``-token replies sampled from ``model``."""
+    return synthetic_trajectories(
+        model,
+        groups=groups,
+        group_size=group_size,
+        vocab_ids=_vocab(tokenizer),
+        first_prompt_len=12,
+        turns=(1, 1),
+        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens),
+        seed=seed,
+    )
+
+
+def _rewarded(trajectory: Trajectory, reward: float) -> Trajectory:
+    """``trajectory`` with its (one) turn and its return set to ``reward``."""
+    turn = trajectory.turns[-1].model_copy(update={"reward": reward})
+    return trajectory.model_copy(update={"reward": reward, "turns": [turn]})
+
+
 def test_grpo_raises_the_probability_of_the_rewarded_token(model_dir: Path) -> None:
     model, tokenizer = load_policy(model_dir)
     # Single-turn, single-token replies; in group 0 the episodes that chose its first episode's
     # token X are rewarded; every other episode gets 0.
-    trajectories = synthetic_trajectories(
-        model,
-        groups=4,
-        group_size=8,
-        vocab_ids=_vocab(tokenizer),
-        first_prompt_len=12,
-        turns=(1, 1),
-        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=1),
-        seed=5,
-    )
+    trajectories = _one_turn(model, tokenizer, groups=4, group_size=8, max_tokens=1, seed=5)
     rewarded_group = trajectories[0].group_id
     chosen = trajectories[0].token_ids[-1]
-    for trajectory in list(trajectories):
-        token = trajectory.token_ids[-1]
-        reward = float(trajectory.group_id == rewarded_group and token == chosen)
-        turn = trajectory.turns[-1].model_copy(update={"reward": reward})
-        trajectories[trajectories.index(trajectory)] = trajectory.model_copy(
-            update={"reward": reward, "turns": [turn]}
-        )
+    trajectories = [
+        _rewarded(t, float(t.group_id == rewarded_group and t.token_ids[-1] == chosen)) for t in trajectories
+    ]
     batch = collate(trajectories, tokenizer.pad_token_id)
     rewarded = [row for row in range(batch.size) if batch.scores[row] > 0]
     assert 0 < len(rewarded) < batch.size
@@ -257,20 +266,8 @@ def test_identical_episodes_split_their_advantage_when_asked(model_dir: Path) ->
     """algorithm.share_duplicate_advantage: an episode sampled three times in its group trains
     with a third of its advantage on each copy; distinct episodes keep theirs."""
     model, tokenizer = load_policy(model_dir)
-    trajectories = synthetic_trajectories(
-        model,
-        groups=2,
-        group_size=4,
-        vocab_ids=_vocab(tokenizer),
-        first_prompt_len=12,
-        turns=(1, 1),
-        sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=2),
-        seed=3,
-    )
-    for row, trajectory in enumerate(trajectories):  # row 0's reply earns 1, every other 0
-        reward = float(row == 0)
-        turn = trajectory.turns[-1].model_copy(update={"reward": reward})
-        trajectories[row] = trajectory.model_copy(update={"reward": reward, "turns": [turn]})
+    trajectories = _one_turn(model, tokenizer, groups=2, group_size=4, max_tokens=2, seed=3)
+    trajectories = [_rewarded(t, float(row == 0)) for row, t in enumerate(trajectories)]  # row 0 earns 1
     for row in (1, 2):  # rows 1 and 2 are row 0 sampled again
         trajectories[row] = trajectories[0].model_copy(update={"job_id": f"copy-{row}"})
     batch = collate(trajectories, tokenizer.pad_token_id)
