@@ -380,24 +380,17 @@ class Trainer:
             await asyncio.to_thread(self.leader.command, "stop")
 
     async def _next_batch(self) -> Batch | None:
+        """The next batch, or None once :meth:`stop` is called.
+
+        While it waits, the other ranks are told to keep waiting every ``heartbeat_s``: they sit in
+        a collective whose timeout would otherwise end them during a long rollout.
+        """
         assert self.controller is not None
-        wait = asyncio.create_task(self.controller.next_batch())
-        stop = asyncio.create_task(self._stop.wait())
-        while True:
-            done, _ = await asyncio.wait(
-                {wait, stop}, timeout=self.heartbeat_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if done:
-                break
-            if self.ranks.distributed:  # the other ranks wait in a collective that has a timeout
-                await asyncio.to_thread(self.leader.command, "wait")
-        if wait in done:
-            stop.cancel()
-            return wait.result()
-        wait.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await wait
-        return None
+        heartbeat = self._keep_followers_waiting if self.ranks.distributed else None
+        return await self._unless_stopped(self.controller.next_batch(), heartbeat)
+
+    async def _keep_followers_waiting(self) -> None:
+        await asyncio.to_thread(self.leader.command, "wait")
 
     async def _train_step(self, batch: Batch) -> None:
         assert self.controller is not None and self.metrics is not None
@@ -515,13 +508,24 @@ class Trainer:
         await self._redis(f"acking what step {step} used", lambda: controller.commit(step))
         self.state = previous_state
 
-    async def _unless_stopped(self, waiting: Awaitable[T]) -> T | None:
-        """``await waiting``, or None as soon as :meth:`stop` is called (``waiting`` is cancelled)."""
+    async def _unless_stopped(
+        self, waiting: Awaitable[T], heartbeat: Callable[[], Awaitable[None]] | None = None
+    ) -> T | None:
+        """``await waiting``, or None as soon as :meth:`stop` is called (``waiting`` is cancelled).
+
+        ``heartbeat``, when given, is awaited every ``heartbeat_s`` that passes without either.
+        """
         wait = asyncio.ensure_future(waiting)
         stop = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
+        interval = self.heartbeat_s if heartbeat is not None else None
+        while True:
+            done, _ = await asyncio.wait({wait, stop}, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                break
+            assert heartbeat is not None  # without one, the wait above has no timeout
+            await heartbeat()
         stop.cancel()
-        if wait.done():
+        if wait in done:
             return wait.result()
         wait.cancel()
         with contextlib.suppress(asyncio.CancelledError):
