@@ -25,6 +25,8 @@ from trainer.metrics import read_metrics
 COLLAPSE_WINDOW = 10
 COLLAPSE_FRACTION = 0.5
 MIN_PEAK = 0.1
+WARNING_WINDOW = 2 * COLLAPSE_WINDOW
+"""Updates either side of a collapse in which an echo-trap warning counts as about it."""
 CURVE_KEYS = ("rollout/success", "rollout/in_group_std", "train/entropy", "train/grad_norm")
 """What the report plots, per update."""
 
@@ -56,15 +58,22 @@ class RunResult:
         return sum(event["kind"] == "collapse" for event in self.warnings)
 
     @property
-    def warned_before_collapse(self) -> bool | None:
-        """Whether an echo-trap warning (collapse or gradient spike) fired at or before the
-        collapse; None when the run did not collapse."""
+    def warning_lead(self) -> int | None:
+        """Updates from the first echo-trap warning (collapse or gradient spike) within
+        :data:`WARNING_WINDOW` updates of the collapse to the collapse: positive when it came first,
+        negative after; None when the run did not collapse or no warning came that near it.
+
+        A warning far from the collapse does not count: a gradient spike at a horizon stage's start
+        (from near-zero gradients) is common and says nothing of a collapse 150 updates later."""
         step = self.collapse_step
         if step is None:
             return None
-        return any(
-            event["kind"] in ("collapse", "grad_spike") and event["step"] <= step for event in self.warnings
-        )
+        near = [
+            event["step"]
+            for event in self.warnings
+            if event["kind"] in ("collapse", "grad_spike") and abs(event["step"] - step) <= WARNING_WINDOW
+        ]
+        return step - min(near) if near else None
 
 
 def collapse_step(success: list[tuple[int, float]]) -> int | None:

@@ -18,7 +18,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from deploy.repro.analysis import COLLAPSE_FRACTION, COLLAPSE_WINDOW, CURVE_KEYS, MIN_PEAK, ArmSummary
+from deploy.repro.analysis import (
+    COLLAPSE_FRACTION,
+    COLLAPSE_WINDOW,
+    CURVE_KEYS,
+    MIN_PEAK,
+    WARNING_WINDOW,
+    ArmSummary,
+    RunResult,
+)
 from deploy.repro.findings import Expectation, Finding
 from trainer.config import TrainConfig
 
@@ -76,6 +84,19 @@ def verdict(expectation: Expectation, arms: dict[str, ArmSummary]) -> str:
         claim = f"{better.label} collapses less or later than {worse.label}"
     mark = "as the paper found" if agrees else "**not** as the paper found"
     return f"{claim}: {shown}, {mark}"
+
+
+def _lead(run: RunResult) -> str:
+    """A table cell: how far the echo-trap warning came before (or after) the run's collapse."""
+    if run.collapse_step is None:
+        return "—"
+    lead = run.warning_lead
+    if lead is None:
+        return f"none within {WARNING_WINDOW}"
+    if lead == 0:
+        return "at the same update"
+    updates = "update" if abs(lead) == 1 else "updates"
+    return f"{lead} {updates} before" if lead > 0 else f"{-lead} {updates} after"
 
 
 def _step(value: float) -> str:
@@ -169,7 +190,7 @@ def write_report(
         "## Arms",
         "",
         "| arm | overrides | seeds | updates | held-out success (mean; per seed) | collapse step per seed | "
-        "warned before collapse | collapse warnings |",
+        "echo-trap warning near the collapse | collapse warnings |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for label, arm in arms.items():
@@ -181,10 +202,7 @@ def write_report(
         collapses = ", ".join(
             str(run.collapse_step) if run.collapse_step is not None else "none" for run in arm.runs
         )
-        warned = ", ".join(
-            "—" if run.warned_before_collapse is None else ("yes" if run.warned_before_collapse else "no")
-            for run in arm.runs
-        )
+        warned = ", ".join(_lead(run) for run in arm.runs)
         warnings = ", ".join(str(run.collapse_warnings) for run in arm.runs)
         updates = ", ".join(str(run.updates) for run in arm.runs)
         success = "—" if mean is None else f"{mean:.2f}; {per_seed}"
@@ -196,6 +214,8 @@ def write_report(
         "",
         f"Collapse: the first update whose success over the last {COLLAPSE_WINDOW} updates is below "
         f"{COLLAPSE_FRACTION:g}x the best such mean before it (once that best reached {MIN_PEAK:g}). "
+        f"Warning near the collapse: the first echo-trap warning (collapse or gradient spike) within "
+        f"{WARNING_WINDOW} updates of it, before or after. "
         "Collapse warnings: the trainer's echo-trap warnings per seed (each one in a run that did not "
         "collapse was a false alarm). "
         "Held-out success: the newest policy on the recipe's held-out seeds, sampled.",

@@ -109,8 +109,22 @@ def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None
     text = report.read_text()
     assert "`stargym repro echo-trap --seeds 1`" in text
     assert "| starpo | " in text and "| starpo-s | " in text
-    assert f"| {collapse_step(COLLAPSING)} | no | 0 |" in text  # starpo's collapse step; no warning fired
+    assert f"| {collapse_step(COLLAPSING)} | none within 20 | 0 |" in text  # starpo's collapse; no warning
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_a_warning_near_the_collapse_counts_as_about_it() -> None:
+    def warned(*events: tuple[str, int]) -> RunResult:
+        warnings = [{"kind": kind, "step": step} for kind, step in events]
+        return RunResult(0, Path("seed-0"), {"rollout/success": COLLAPSING}, warnings, 0.1, 80)
+
+    step = collapse_step(COLLAPSING)
+    assert step is not None
+    assert warned(("collapse", step - 3), ("grad_spike", step + 1)).warning_lead == 3
+    assert warned(("collapse", step + 1)).warning_lead == -1
+    assert warned(("grad_spike", step - 25)).warning_lead is None  # too early to be about it
+    assert warned(("no_signal", step - 2)).warning_lead is None  # not an echo-trap warning
+    assert run(0, 0.6, HEALTHY).warning_lead is None  # no collapse
 
 
 def test_the_panels_fill_the_figure_with_and_without_warnings() -> None:
