@@ -133,14 +133,19 @@ class ArmSummary:
     @property
     def success_standard_error(self) -> float | None:
         """Of :attr:`mean_success`, from its binomial spread over the held-out episodes of its seeds
-        (seed-to-seed variation not counted: with one seed it cannot be); None when unknown."""
+        (seed-to-seed variation not counted: with one seed it cannot be); None when unknown.
+
+        The rate in the spread is the add-one estimate ``(k + 1) / (n + 2)``: a run that solved all
+        256 episodes (or none) has not shown a rate of exactly 1 (or 0), and a spread of 0 there
+        would let any two such arms, or 1.00 against 0.996, pass as a direction."""
         runs = self.finished
         if not runs or any(run.held_out_episodes <= 0 for run in runs):
             return None
-        variance = sum(
-            (run.held_out_success or 0.0) * (1 - (run.held_out_success or 0.0)) / run.held_out_episodes
-            for run in runs
-        )
+        variance = 0.0
+        for run in runs:
+            episodes = run.held_out_episodes
+            rate = ((run.held_out_success or 0.0) * episodes + 1) / (episodes + 2)
+            variance += rate * (1 - rate) / episodes
         return math.sqrt(variance) / len(runs)
 
     @property
