@@ -235,6 +235,14 @@ def parse_args() -> argparse.Namespace:
         help="A config override for one arm's runs (after --set), e.g. --arm-set lr3 optim.lr=3e-3.",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
+    parser.add_argument(
+        "--keep-runs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Write the run directories (policies, held-out trajectories) here and keep them; default: "
+        "a temporary directory, removed at the end.",
+    )
     args = parser.parse_args()
     args.arms = args.arms or [("main", REPO_ROOT)]
     labels = {label for label, _ in args.arms}
@@ -252,11 +260,18 @@ def main() -> int:
     args = parse_args()
     started = time.perf_counter()
     runs = []
-    with tempfile.TemporaryDirectory(prefix="stargym-bench-learning-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep_runs is None:
+            runs_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="stargym-bench-learning-"))
+            )
+        else:
+            runs_dir = args.keep_runs.resolve()
+            runs_dir.mkdir(parents=True, exist_ok=True)
         for index in range(args.runs):
             for label, tree in args.arms:
                 print(f"run {index + 1}/{args.runs}, {label} ({tree}): up to {args.minutes:g} minutes ...")
-                run = run_once(label, tree, index, args, Path(tmp))
+                run = run_once(label, tree, index, args, runs_dir)
                 reached = run["minutes_to_target"]
                 outcome = (
                     f"reached {args.target:.2f} after {reached:.1f} min ({run['updates_to_target']} updates)"
