@@ -76,7 +76,8 @@ def best_blind_route(lakes: list[Lake], max_turns: int) -> tuple[tuple[str, ...]
 
     Depth-first over routes with every map's env advanced one move per level (a copy per branch:
     the lake is deterministic, so a copy is its state); a prefix is cut when the maps it solved
-    plus every map still on the ice cannot beat the best route found so far.
+    plus every map still on the ice cannot beat the best route found so far. The route returned
+    is :func:`shortest_equivalent` of the one found.
     """
     best: tuple[tuple[str, ...], int] = ((), -1)
     # Tried in this order so that, of routes solving as many maps, the one kept heads for the goal
@@ -101,7 +102,20 @@ def best_blind_route(lakes: list[Lake], max_turns: int) -> tuple[tuple[str, ...]
             search((*route, action), still, reached)
 
     search((), [lake.reset()[0] for lake in lakes], 0)
-    return best
+    return shortest_equivalent(best[0], lakes, max_turns), best[1]
+
+
+def shortest_equivalent(route: tuple[str, ...], lakes: list[Lake], max_turns: int) -> tuple[str, ...]:
+    """``route`` without the moves whose removal solves no fewer ``lakes`` (bumps into an edge)."""
+    solved = sum(solves_by_route(lake, route, max_turns) for lake in lakes)
+    index = 0
+    while index < len(route):
+        shorter = route[:index] + route[index + 1 :]
+        if sum(solves_by_route(lake, shorter, max_turns) for lake in lakes) >= solved:
+            route = shorter
+        else:
+            index += 1
+    return route
 
 
 def grid(text: str) -> list[list[str]]:

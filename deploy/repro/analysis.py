@@ -27,6 +27,11 @@ COLLAPSE_FRACTION = 0.5
 MIN_PEAK = 0.1
 WARNING_WINDOW = 2 * COLLAPSE_WINDOW
 """Updates either side of a collapse in which an echo-trap warning counts as about it."""
+NO_SIGNAL_SHARE = 0.95
+"""A run whose in-group reward std was 0 in at least this share of its updates never had a
+learning signal: every group-relative advantage was zero, so what it ends at says nothing of its
+method (the multi-action arms of a tiny model from random weights, which never sample a valid
+``A || B`` reply: 174 of 175 updates without signal)."""
 CURVE_KEYS = ("rollout/success", "rollout/in_group_std", "train/entropy", "train/grad_norm")
 """What the report plots, per update."""
 
@@ -56,6 +61,12 @@ class RunResult:
         """How many echo-trap collapse warnings the trainer logged; in a run that never collapsed,
         each one was a false alarm."""
         return sum(event["kind"] == "collapse" for event in self.warnings)
+
+    @property
+    def had_no_signal(self) -> bool:
+        """Whether the in-group reward std was 0 in at least :data:`NO_SIGNAL_SHARE` of its updates."""
+        spreads = [value for _, value in self.curves.get("rollout/in_group_std", [])]
+        return bool(spreads) and sum(value == 0 for value in spreads) >= NO_SIGNAL_SHARE * len(spreads)
 
     @property
     def warning_lead(self) -> int | None:
@@ -147,6 +158,11 @@ class ArmSummary:
             rate = ((run.held_out_success or 0.0) * episodes + 1) / (episodes + 2)
             variance += rate * (1 - rate) / episodes
         return math.sqrt(variance) / len(runs)
+
+    @property
+    def without_signal(self) -> bool:
+        """Every seed of the arm ran without a learning signal (:attr:`RunResult.had_no_signal`)."""
+        return bool(self.runs) and all(run.had_no_signal for run in self.runs)
 
     @property
     def collapsed(self) -> int:

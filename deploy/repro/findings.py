@@ -236,6 +236,10 @@ ROLLOUT_SHAPING = Finding(
     notes=(
         "states-16x8 is the recipe itself and the one-action-per-turn arm; several actions per turn "
         "are separated by || in the reply (max_tokens 2k-1), and the tiny vocabulary spells || as two | tokens.",
+        "From random weights the tiny policy has to sample a valid multi-action reply by chance before "
+        "it can learn the format, and it almost never does (invalid 99-100% of turns): the actions arms "
+        "then have no learning signal and their verdicts say 'not tested'. The paper's claim needs a "
+        "policy that already writes the format (a pretrained model.path).",
     ),
 )
 

@@ -23,6 +23,7 @@ from deploy.repro.analysis import (
     COLLAPSE_WINDOW,
     CURVE_KEYS,
     MIN_PEAK,
+    NO_SIGNAL_SHARE,
     WARNING_WINDOW,
     ArmSummary,
     RunResult,
@@ -47,6 +48,13 @@ def verdict(expectation: Expectation, arms: dict[str, ArmSummary]) -> str:
     if missing:  # a sweep of some arms (--arm)
         return f"{expectation.better} vs {expectation.worse}: not compared, {' and '.join(missing)} not in this sweep"
     better, worse = arms[expectation.better], arms[expectation.worse]
+    untrained = [arm.label for arm in (better, worse) if arm.without_signal]
+    if untrained:
+        return (
+            f"{better.label} vs {worse.label}: not tested, {' and '.join(untrained)} had no learning "
+            f"signal in any seed (in-group reward std 0 in at least {NO_SIGNAL_SHARE:.0%} of the updates: "
+            "every group's episodes got the same reward), so it could not learn whatever its method"
+        )
     if expectation.by == "success":
         high, low = better.mean_success, worse.mean_success
         if high is None or low is None:

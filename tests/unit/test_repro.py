@@ -98,6 +98,24 @@ def test_a_difference_within_the_evaluations_noise_shows_no_direction() -> None:
     assert "neither direction" in verdict(Expectation("a", "b", "success"), near_ceiling)
 
 
+def test_an_arm_that_never_had_a_learning_signal_tests_nothing() -> None:
+    def arm(label: str, success: float, zero_spread_updates: int, updates: int = 100) -> ArmSummary:
+        spread = [(step, 0.0 if step <= zero_spread_updates else 0.3) for step in range(1, updates + 1)]
+        curves = {
+            "rollout/success": [(step, success) for step in range(1, updates + 1)],
+            "rollout/in_group_std": spread,
+        }
+        return ArmSummary(label, [RunResult(0, Path("seed-0"), curves, [], success, updates, 256)])
+
+    stuck = {"many-actions": arm("many-actions", 0.0, 99), "one-action": arm("one-action", 0.4, 10)}
+    said = verdict(Expectation("many-actions", "one-action", "success"), stuck)
+    assert "not tested, many-actions had no learning signal" in said and "paper found" not in said
+    assert "not tested" in verdict(Expectation("one-action", "many-actions", "stability"), stuck)
+    # Most updates without a signal, but not nearly all: it had something to learn from.
+    learning = {"slow": arm("slow", 0.0, 90), "one-action": stuck["one-action"]}
+    assert "**not** as the paper found" in verdict(Expectation("slow", "one-action", "success"), learning)
+
+
 def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None:
     finding = FINDINGS["echo-trap"]
     arms = {
