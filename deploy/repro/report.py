@@ -53,7 +53,7 @@ def verdict(expectation: Expectation, arms: dict[str, ArmSummary]) -> str:
         return (
             f"{better.label} vs {worse.label}: not tested, {' and '.join(untrained)} had no learning "
             f"signal in any seed (in-group reward std 0 in at least {NO_SIGNAL_SHARE:.0%} of the updates: "
-            "every group's episodes got the same reward), so it could not learn whatever its method"
+            "every group's episodes got the same reward), so it could not learn, whatever its method"
         )
     if expectation.by == "success":
         high, low = better.mean_success, worse.mean_success
