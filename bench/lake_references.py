@@ -33,7 +33,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO_ROOT / "bench"]
 sys.path.insert(0, str(REPO_ROOT))
 
-from env_server.envs.game.frozenlake import ACTION_NAMES, HOLE, PLAYER, FrozenLakeEnv, FrozenLakeOptions  # noqa: E402
+from env_server.envs.game.frozenlake import (  # noqa: E402
+    ACTION_NAMES,
+    ACTIONS,
+    HOLE,
+    MOVES,
+    PLAYER,
+    FrozenLakeEnv,
+    FrozenLakeOptions,
+)
 from services.rollout_protocol import Trajectory  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
@@ -125,7 +133,6 @@ def grid(text: str) -> list[list[str]]:
 
 def prefer(first: str, then: str) -> Policy:
     """Move ``first`` unless that is the edge or a hole, else ``then``, else ``first`` anyway."""
-    steps = {"Right": (0, 1), "Down": (1, 0), "Left": (0, -1), "Up": (-1, 0)}
 
     def policy(text: str) -> str:
         tiles = grid(text)
@@ -133,7 +140,7 @@ def prefer(first: str, then: str) -> Policy:
             (r, c) for r, line in enumerate(tiles) for c, tile in enumerate(line) if tile == PLAYER
         )
         for action in (first, then):
-            d_row, d_column = steps[action]
+            d_row, d_column = MOVES[ACTIONS[action.lower()]]  # the env's own moves
             r, c = row + d_row, column + d_column
             if 0 <= r < len(tiles) and 0 <= c < len(tiles) and tiles[r][c] != HOLE:
                 return action
