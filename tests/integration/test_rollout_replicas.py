@@ -356,6 +356,17 @@ async def _held(worker: RolloutWorker, server: RunningServer, count: int) -> boo
     return held_on(worker, server) == count
 
 
+async def _counted(worker: RolloutWorker, count: int) -> bool:
+    """Whether the worker has counted ``count`` finished jobs (warm-up included).
+
+    A trajectory is in Redis the moment the publish script runs, but the worker counts it only
+    when its task next resumes: reading the counters right after seeing the trajectory raced
+    that (CI once read ``jobs_failed == 1`` with both failed trajectories already published).
+    """
+    status = worker.status()
+    return status.jobs_done + status.jobs_failed >= count
+
+
 async def test_episodes_on_a_killed_env_server_are_replayed_on_the_other_replica(
     db: redis.Redis, servers, models: tuple[Path, Path], redis_url: str, engine
 ) -> None:
@@ -378,6 +389,7 @@ async def test_episodes_on_a_killed_env_server_are_replayed_on_the_other_replica
         assert held_on(worker, doomed) == 4
         doomed.process.kill()
         await eventually(lambda: trajectory_count(db, 8), "the held episodes replayed", KILL_DEADLINE_S)
+        await eventually(lambda: _counted(worker, 9), "the worker to count the replays", DEADLINE_S)
 
         found = trajectories(db)
         assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)  # once each
@@ -413,6 +425,7 @@ async def test_with_one_replica_a_killed_env_server_fails_its_episodes_naming_th
         killed = time.monotonic()
         await eventually(lambda: trajectory_count(db, 2), "the held episodes to fail", KILL_DEADLINE_S)
         ended_s = time.monotonic() - killed
+        await eventually(lambda: _counted(worker, 3), "the worker to count both failures", DEADLINE_S)
 
         found = trajectories(db)
         assert sorted(t.job_id for t in found) == sorted(job.job_id for job in jobs)
