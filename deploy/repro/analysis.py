@@ -32,6 +32,13 @@ NO_SIGNAL_SHARE = 0.95
 learning signal: every group-relative advantage was zero, so what it ends at says nothing of its
 method (the multi-action arms of a tiny model from random weights, which never sample a valid
 ``A || B`` reply: 174 of 175 updates without signal)."""
+ALIKE_SHARE = 0.85
+"""Of the updates from :attr:`RunResult.groups_alike_from` to a run's end, the least share with
+in-group std 0. Measured: runs in the drift trap had it in 89-93% of their updates after the trap
+closed (the rest a stray invalid reply, worth a penalty in one episode), a run that kept learning
+in 3% (filter-ratio's keep-50/75 and keep-100 at lr 3e-3)."""
+ALIKE_MIN_UPDATES = 20
+"""The shortest run of updates at a run's end that :attr:`RunResult.groups_alike_from` counts."""
 CURVE_KEYS = ("rollout/success", "rollout/in_group_std", "train/entropy", "train/grad_norm")
 """What the report plots, per update."""
 
@@ -67,6 +74,27 @@ class RunResult:
         """Whether the in-group reward std was 0 in at least :data:`NO_SIGNAL_SHARE` of its updates."""
         spreads = [value for _, value in self.curves.get("rollout/in_group_std", [])]
         return bool(spreads) and sum(value == 0 for value in spreads) >= NO_SIGNAL_SHARE * len(spreads)
+
+    @property
+    def groups_alike_from(self) -> int | None:
+        """The first update from which every group's episodes got the same reward: its in-group
+        std was 0, as it was in at least :data:`ALIKE_SHARE` of the updates to the run's end
+        (at least :data:`ALIKE_MIN_UPDATES` of them); None when the run kept a signal to the end.
+
+        From there the run learnt nothing more: it had solved every episode (the bandit), or it
+        was in the drift trap, failing every episode alike (a FrozenLake policy left by the one-turn
+        stage with too little Down to ever reach the goal). Its held-out success is then where the
+        trap left it, not where its method would have taken it."""
+        spreads = self.curves.get("rollout/in_group_std", [])
+        alike_from = None
+        zeros = 0
+        for index in range(len(spreads) - 1, -1, -1):
+            step, value = spreads[index]
+            zeros += value == 0
+            length = len(spreads) - index
+            if value == 0 and length >= ALIKE_MIN_UPDATES and zeros >= ALIKE_SHARE * length:
+                alike_from = step
+        return alike_from
 
     @property
     def warning_lead(self) -> int | None:

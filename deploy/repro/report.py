@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from deploy.repro.analysis import (
+    ALIKE_MIN_UPDATES,
+    ALIKE_SHARE,
     COLLAPSE_FRACTION,
     COLLAPSE_WINDOW,
     CURVE_KEYS,
@@ -193,8 +195,8 @@ def write_report(
         "## Arms",
         "",
         "| arm | overrides | seeds | updates | held-out success (mean; per seed) | collapse step per seed | "
-        "echo-trap warning near the collapse | collapse warnings |",
-        "|---|---|---|---|---|---|---|---|",
+        "echo-trap warning near the collapse | collapse warnings | groups alike from |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, arm in arms.items():
         overrides = " ".join(f"`{item}`" for item in finding.arm(label).overrides) or "the recipe"
@@ -208,10 +210,13 @@ def write_report(
         warned = ", ".join(_lead(run) for run in arm.runs)
         warnings = ", ".join(str(run.collapse_warnings) for run in arm.runs)
         updates = ", ".join(str(run.updates) for run in arm.runs)
+        alike = ", ".join(
+            "—" if run.groups_alike_from is None else str(run.groups_alike_from) for run in arm.runs
+        )
         success = "—" if mean is None else f"{mean:.2f}; {per_seed}"
         lines.append(
             f"| {label} | {overrides} | {len(arm.runs)} | {updates} | {success} | {collapses} | {warned} "
-            f"| {warnings} |"
+            f"| {warnings} | {alike} |"
         )
     lines += [
         "",
@@ -221,6 +226,9 @@ def write_report(
         f"{WARNING_WINDOW} updates of it, before or after. "
         "Collapse warnings: the trainer's echo-trap warnings per seed (each one in a run that did not "
         "collapse was a false alarm). "
+        f"Groups alike from: the update from which every group's episodes got the same reward (in "
+        f"at least {ALIKE_SHARE:.0%} of the updates to the end, {ALIKE_MIN_UPDATES} at least), "
+        "so nothing more was learnt: a solved env, or the drift trap where every episode fails alike. "
         "Held-out success: the newest policy on the recipe's held-out seeds, sampled.",
         "",
         "![curves](curves.png)",

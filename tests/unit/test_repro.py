@@ -116,6 +116,22 @@ def test_an_arm_that_never_had_a_learning_signal_tests_nothing() -> None:
     assert "**not** as the paper found" in verdict(Expectation("slow", "one-action", "success"), learning)
 
 
+def test_groups_alike_from_is_where_a_run_stopped_having_anything_to_learn() -> None:
+    def spread(values: list[float]) -> RunResult:
+        curves = {"rollout/in_group_std": list(enumerate(values, start=1))}
+        return RunResult(0, Path("seed-0"), curves, [], 0.0, len(values))
+
+    # The drift trap: a signal while the one-turn stage teaches valid moves, none from update 57 on.
+    assert spread([0.2] * 56 + [0.0] * 200).groups_alike_from == 57
+    # A stray invalid reply every tenth update in the trap does not end it; every fifth does.
+    assert spread([0.2] * 56 + ([0.0] * 9 + [0.1]) * 20).groups_alike_from == 57
+    assert spread([0.2] * 56 + ([0.0] * 4 + [0.1]) * 40).groups_alike_from is None
+    # A signal to the end, or too few alike updates at the end to say anything.
+    assert spread([0.2] * 256).groups_alike_from is None
+    assert spread([0.2] * 240 + [0.0] * 19).groups_alike_from is None
+    assert spread([0.0] * 100).groups_alike_from == 1  # never a signal at all
+
+
 def test_the_report_has_the_command_every_arm_and_a_plot(tmp_path: Path) -> None:
     finding = FINDINGS["echo-trap"]
     arms = {
