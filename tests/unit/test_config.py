@@ -67,7 +67,8 @@ def test_recipes_say_what_the_issue_says() -> None:
     bandit = by_name["bandit-tiny"]
     assert bandit.algorithm.norm_adv == "batch"
     lake = by_name["frozenlake-tiny"]
-    assert (lake.rollout.groups_per_batch, lake.rollout.group_size) == (16, 8)
+    assert (lake.rollout.groups_per_batch, lake.rollout.group_size) == (32, 4)
+    assert (lake.rollout.max_staleness, lake.rollout.max_inflight) == (3, 512)
     assert lake.algorithm.advantage == "grpo" and lake.optim.lr == pytest.approx(2e-3)
     assert lake.envs.mix[0].options == {"size": 4} and lake.curriculum.schedule.max_turns(10_000) == 8
     assert lake.rollout.action_format == "plain" and lake.model.path == "models/tiny-frozenlake"
