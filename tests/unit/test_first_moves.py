@@ -1,0 +1,79 @@
+"""bench/first_moves.py: P(first move) of a run's published policies, read as the engine reads prompts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from bench.first_moves import INVALID, first_move_probabilities, first_prompts, move_token_ids
+from deploy.model_init import init_tiny_model
+from env_server.envs.game.frozenlake import ACTION_NAMES
+from services.rollout_protocol import Trajectory, Turn
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", 0, ["game/frozenlake"], 10, 5)
+
+
+def held_out(prompt: list[int], reply: int) -> Trajectory:
+    return Trajectory(
+        run_id="eval",
+        env="game/frozenlake",
+        seed=len(prompt),
+        group_id="eval",
+        max_turns=8,
+        policy_version=0,
+        worker_id="eval",
+        turns=[
+            Turn(
+                observation="",
+                response="",
+                reward=0.0,
+                done=True,
+                valid=False,
+                policy_version=0,
+                prompt_tokens=len(prompt),
+                response_tokens=1,
+            )
+        ],
+        num_turns=1,
+        token_ids=[*prompt, reply],
+        loss_mask=[0] * len(prompt) + [1],
+        logprobs=[0.0] * len(prompt) + [-1.0],
+    )
+
+
+def test_every_move_is_counted_under_both_of_its_one_token_spellings(policy: Path) -> None:
+    spellings = move_token_ids(AutoTokenizer.from_pretrained(policy))
+    assert list(spellings) == ACTION_NAMES
+    assert all(len(ids) == 2 for ids in spellings.values()), spellings  # "Right" and " Right"
+    assert len({token for ids in spellings.values() for token in ids}) == 8
+
+
+def test_prompts_of_different_lengths_read_as_each_would_alone(policy: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    long = tokenizer.encode("P _ _ _\n_ O _ _\n_ _ _ O\nO _ _ G\nReach G and avoid O.")
+    short = tokenizer.encode("_ P _ _\nReach G and avoid O.")
+    assert len(long) > len(short)
+    run_dir = tmp_path / "run"
+    shutil.copytree(policy, run_dir / "policy-v0")
+    (run_dir / "eval-after").mkdir()
+    lines = [held_out(long, move_token_ids(tokenizer)["Down"][0]), held_out(short, 5)]
+    (run_dir / "eval-after" / "trajectories.jsonl").write_text(
+        "".join(trajectory.model_dump_json() + "\n" for trajectory in lines)
+    )
+
+    prompts = first_prompts(run_dir, 8)
+    assert prompts == [long, short]  # cut at the first sampled token
+    together = first_move_probabilities(run_dir / "policy-v0", prompts)
+    alone = [first_move_probabilities(run_dir / "policy-v0", [prompt]) for prompt in prompts]
+    assert list(together) == [*ACTION_NAMES, INVALID]
+    assert sum(together.values()) == pytest.approx(1.0)
+    for key, share in together.items():
+        assert share == pytest.approx((alone[0][key] + alone[1][key]) / 2, abs=1e-5)
+    # Random weights: no move is likely yet, and the two prompts are read differently.
+    assert together[INVALID] > 0.9 and alone[0] != alone[1]
