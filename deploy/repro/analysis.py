@@ -34,9 +34,9 @@ method (the multi-action arms of a tiny model from random weights, which never s
 ``A || B`` reply: 174 of 175 updates without signal)."""
 ALIKE_SHARE = 0.85
 """Of the updates from :attr:`RunResult.groups_alike_from` to a run's end, the least share with
-in-group std 0. Measured: runs in the drift trap had it in 89-93% of their updates after the trap
-closed (the rest a stray invalid reply, worth a penalty in one episode), a run that kept learning
-in 3% (filter-ratio's keep-50/75 and keep-100 at lr 3e-3)."""
+in-group std 0. Measured in filter-ratio at lr 3e-3: its runs in the drift trap (keep-50, keep-75)
+had it in 89-93% of their updates after the trap closed (the rest a stray invalid reply, worth a
+penalty in one episode), a run that kept learning (keep-100) in 3%."""
 ALIKE_MIN_UPDATES = 20
 """The shortest run of updates at a run's end that :attr:`RunResult.groups_alike_from` counts."""
 CURVE_KEYS = ("rollout/success", "rollout/in_group_std", "train/entropy", "train/grad_norm")
