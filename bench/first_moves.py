@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.lake_references import trajectories  # noqa: E402
 from env_server.envs.game.frozenlake import ACTION_NAMES  # noqa: E402
+from rollout_server.actions import plain_stop_token_ids  # noqa: E402
 
 HELD_OUT = Path("eval-after") / "trajectories.jsonl"
 INVALID = "invalid"
@@ -48,12 +49,8 @@ def first_prompts(run_dir: Path, count: int) -> list[list[int]]:
 
 
 def move_token_ids(tokenizer: Any) -> dict[str, list[int]]:
-    """Each move's spellings that are one token (bare and after a space), as the engine stops on."""
-    spellings: dict[str, list[int]] = {}
-    for move in ACTION_NAMES:
-        ids = [tokenizer.encode(text, add_special_tokens=False) for text in (move, " " + move)]
-        spellings[move] = sorted({single[0] for single in ids if len(single) == 1})
-    return spellings
+    """Each move's one-token spellings (bare and after a space): the ids the engine stops on."""
+    return {move: plain_stop_token_ids(tokenizer, [move]) for move in ACTION_NAMES}
 
 
 def first_move_probabilities(policy_dir: Path, prompts: list[list[int]]) -> dict[str, float]:
