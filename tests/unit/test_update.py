@@ -460,9 +460,13 @@ def _distributed_worker(
     if rank == 0:
         assert policy is not None and parts["optimizer"].state_dict()["state"]
         CheckpointStore(Path(out_dir) / "run").save(1, policy, tokenizer, **parts)
-    # No destroy_process_group(): with ranks arriving at different times it sometimes never
-    # returns (pytorch/pytorch#75097; it hung a CI run here). The trainer's ranks just exit too.
     dist.barrier()
+    # End the rank without interpreter finalization, where both known torch exit bugs live:
+    # destroy_process_group sometimes never returns (pytorch/pytorch#75097; it hung a CI run
+    # here), and without it gloo's and autograd's threads release tensors while the interpreter
+    # is torn down (pytorch/pytorch#190489; a CI run saw rank 0 die of it with SIGABRT,
+    # "malloc(): unaligned tcache chunk detected"). Everything the test reads is on disk now.
+    os._exit(0)
 
 
 def _spawn_ranks(args: tuple, nprocs: int) -> None:
