@@ -18,8 +18,9 @@ opens a :class:`~rollout_server.session.RecordingSession` and hands the episode 
 The trajectory is the session's record (exact sampled ids, behaviour log-probs, loss mask, and
 ``segments`` where the agent rewrote its history) with the episode's reward on its last turn.
 The steps a Python agent takes through :class:`AgentEnv` are credited to the reply before them:
-that turn's ``actions``, and ``valid`` False when the env rejected one (so the run's
-``invalid_penalty`` and invalid-rate metrics apply to agents as to the worker's own episodes).
+that turn's ``actions``, and ``valid`` False when the env rejected one or the reply held a
+tool call that does not parse (so the run's ``invalid_penalty`` and invalid-rate metrics apply
+to agents as to the worker's own episodes).
 The reward is the agent's, else the env server's total for the instance; ``success`` is the
 agent's, else the env's last verdict, else ``reward > 0``.
 
@@ -221,7 +222,7 @@ async def play_agent_episode(
         turn.model_copy(
             update={
                 "actions": [action for action, _ in env.actions[index]],
-                "valid": all(valid for _, valid in env.actions[index]),
+                "valid": turn.valid and all(valid for _, valid in env.actions[index]),
             }
         )
         if index in env.actions

@@ -268,7 +268,7 @@ class RecordingSession:
                 actions=[call.function.name for call in reply.tool_calls],
                 reward=0.0,
                 done=False,
-                valid=True,
+                valid=not reply.malformed,
                 policy_version=self.policy_version,
                 prompt_tokens=len(prompt_ids),
                 response_tokens=len(completion.token_ids),

@@ -129,15 +129,21 @@ def parses_tool_calls(request: ChatCompletionRequest) -> bool:
 
 @dataclass
 class ParsedReply:
-    """A reply split into the text outside its tool-call blocks (None if only whitespace) and the calls."""
+    """A reply split into the text outside its tool-call blocks (None if only whitespace) and the calls.
+
+    malformed: the reply opened a tool-call block that does not parse (a call the model wrote
+    badly). It is answered as plain content, as vLLM does; a recording session also marks its
+    turn invalid, so the run's ``invalid_penalty`` and invalid-rate metrics see it.
+    """
 
     content: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    malformed: bool = False
 
 
 def parse_tool_calls(text: str, parallel: bool = True) -> ParsedReply:
     """The Hermes/Qwen tool calls in ``text``; the whole text as content if there is none or a block
-    does not parse. ``parallel`` False keeps the first call only."""
+    does not parse (then ``malformed``). ``parallel`` False keeps the first call only."""
     blocks = list(TOOL_CALL_BLOCK.finditer(text))
     if not blocks:
         return ParsedReply(content=text)
@@ -145,7 +151,7 @@ def parse_tool_calls(text: str, parallel: bool = True) -> ParsedReply:
     for block in blocks:
         call = _tool_call(block.group(1) if block.group(1) is not None else block.group(2))
         if call is None:
-            return ParsedReply(content=text)
+            return ParsedReply(content=text, malformed=True)
         calls.append(call)
     outside = TOOL_CALL_BLOCK.sub("", text)
     return ParsedReply(

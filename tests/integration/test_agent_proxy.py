@@ -95,6 +95,69 @@ def worker(
     stop_server(server.process)
 
 
+# What the tool-calling policy writes: the two halves of a call, one token each. The first alone
+# is a call written badly (its JSON lacks the closing brace); both make the call the template renders.
+CALL_OPEN = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}'
+CALL_CLOSE = "}\n</tool_call>"
+TOOL_CALLER_KEYS = RunKeys("test-agent-proxy-tools")
+
+
+@pytest.fixture(scope="module")
+def tool_caller(model: Path) -> Path:
+    """A policy that always calls ``get_weather``: a random tiny model cannot, so its weights are set.
+
+    The two halves of the call are tokens of its tokenizer. With every layer's output projections
+    at zero the last position's hidden state is its token's embedding, which the final norm
+    reduces to three coordinates: "any token", "after CALL_OPEN", "after CALL_CLOSE". The output
+    head maps them to CALL_OPEN, CALL_CLOSE and the end of the turn with logit gaps of hundreds,
+    so even sampled at temperature 1 the reply is the whole call, and ``max_tokens=1`` cuts it
+    to its malformed first half.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    caller = model.parent / "policy-tool-caller"
+    shutil.copytree(model, caller)
+    tokenizer = AutoTokenizer.from_pretrained(caller)
+    tokenizer.add_tokens([CALL_OPEN, CALL_CLOSE])
+    tokenizer.save_pretrained(caller)
+    policy = AutoModelForCausalLM.from_pretrained(caller)
+    policy.resize_token_embeddings(len(tokenizer))
+    call_open, call_close, end = tokenizer.convert_tokens_to_ids([CALL_OPEN, CALL_CLOSE, "<|im_end|>"])
+    with torch.no_grad():
+        for layer in policy.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embedding = policy.model.embed_tokens.weight
+        embedding[:, :3] = torch.tensor([10.0, 0.0, 0.0])
+        embedding[call_open, 1] = embedding[call_close, 2] = 10.0
+        policy.model.norm.weight.zero_()
+        policy.model.norm.weight[:3] = 1.0
+        head = policy.lm_head.weight
+        head.zero_()
+        head[call_open, :3] = torch.tensor([5.0, -10.0, -10.0])
+        head[call_close, :3] = torch.tensor([0.0, 10.0, -10.0])
+        head[end, :3] = torch.tensor([0.0, -10.0, 10.0])
+    policy.save_pretrained(caller)
+    return caller
+
+
+@pytest.fixture(scope="module")
+def tool_caller_worker(
+    tool_caller: Path, game_server: RunningServer, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """An engine serving the tool-calling policy and a worker of a run of its own."""
+    engine = start_engine(tool_caller, tmp_path_factory.mktemp("caller-engine"), "--threads", "1")
+    port = free_port()
+    args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(tool_caller), "--port", str(port)]
+    args += ["--run", TOOL_CALLER_KEYS.run_id, "--env", f"game={game_server.url}"]
+    variables = {"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_AGENT_TIMEOUT_S": "60"}
+    server = start_server(args, port, tmp_path_factory.mktemp("caller-worker"), env=variables, name="worker")
+    yield server
+    stop_server(server.process)
+    stop_server(engine.process)
+
+
 @pytest.fixture(scope="module")
 def db(redis_url: str) -> Iterator[redis.Redis]:
     """The session's Redis; this module's run has names of its own, so nothing is flushed."""
@@ -104,10 +167,17 @@ def db(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def publish(
-    db: redis.Redis, agent: str, *, env: str = "game/bandit", max_turns: int = 4, seed: int = 3
+    db: redis.Redis,
+    agent: str,
+    *,
+    env: str = "game/bandit",
+    max_turns: int = 4,
+    seed: int = 3,
+    keys: RunKeys = KEYS,
 ) -> RolloutJob:
+    """An agent job on ``keys``' run: the worker serving that run plays it."""
     job = RolloutJob(
-        run_id=KEYS.run_id,
+        run_id=keys.run_id,
         env=env,
         seed=seed,
         group_id=f"g-{uuid.uuid4().hex[:8]}",
@@ -116,13 +186,13 @@ def publish(
         policy_version=0,
         agent=agent,
     )
-    db.xadd(KEYS.jobs, {DATA_FIELD: job.model_dump_json()})
+    db.xadd(keys.jobs, {DATA_FIELD: job.model_dump_json()})
     return job
 
 
 def trajectory_of(db: redis.Redis, job: RolloutJob, worker: RunningServer) -> Trajectory:
     def find() -> Trajectory | None:
-        for _, fields in db.xrange(KEYS.trajectories):
+        for _, fields in db.xrange(RunKeys(job.run_id).trajectories):
             trajectory = Trajectory.model_validate_json(fields[DATA_FIELD.encode()])
             if trajectory.job_id == job.job_id:
                 return trajectory
@@ -309,6 +379,49 @@ def test_tools_round_trip_through_the_template_and_one_segment(
         trajectory.token_ids[spans[1][0] : spans[1][1]], skip_special_tokens=False
     )
     assert "<tool_response>\nrainy\n</tool_response>" in second_prompt and "<tools>" not in second_prompt
+
+
+def test_a_call_the_model_writes_goes_to_the_agent_and_back_in_one_segment(
+    db: redis.Redis, harness, tool_caller_worker: RunningServer, tool_caller: Path
+) -> None:
+    """The model's own tool calls: parsed for the agent, taken back with the tool's answer as the
+    same conversation, the recorded ids the sampled ones; a call written badly is plain content
+    (200, not an error) and its turn invalid."""
+    tokenizer = AutoTokenizer.from_pretrained(tool_caller)
+    job, call, client = session(db, harness, keys=TOOL_CALLER_KEYS)
+    messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+    for answer in ("rainy", "still rainy"):
+        choice = client.chat.completions.create(
+            model="policy", messages=messages, tools=[WEATHER_TOOL]
+        ).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [made] = choice.message.tool_calls
+        assert made.function.name == "get_weather" and json.loads(made.function.arguments) == {
+            "city": "Paris"
+        }
+        messages += [choice.message, {"role": "tool", "tool_call_id": made.id, "content": answer}]
+    bad = client.chat.completions.create(
+        model="policy", messages=messages, tools=[WEATHER_TOOL], max_tokens=1
+    )
+    assert bad.choices[0].finish_reason == "length" and not bad.choices[0].message.tool_calls
+    assert bad.choices[0].message.content == CALL_OPEN
+    finish(call, reward=1.0)
+
+    trajectory = trajectory_of(db, job, tool_caller_worker)
+    assert trajectory.error is None and trajectory.segments == [] and trajectory.num_turns == 3
+    call_open, call_close, end = tokenizer.convert_tokens_to_ids([CALL_OPEN, CALL_CLOSE, "<|im_end|>"])
+    spans = turn_spans(trajectory)
+    assert [trajectory.token_ids[reply:stop] for _, reply, stop in spans] == [
+        [call_open, call_close, end],
+        [call_open, call_close, end],
+        [call_open],
+    ]
+    assert [turn.actions for turn in trajectory.turns] == [["get_weather"], ["get_weather"], []]
+    assert [turn.valid for turn in trajectory.turns] == [True, True, False]
+    # The conversation the agent sent back, rendered by the template, is exactly what was recorded.
+    sent = [item if isinstance(item, dict) else item.model_dump() for item in messages]
+    recorded = tokenizer.decode(trajectory.token_ids[: spans[2][1]], skip_special_tokens=False)
+    assert recorded == render(tokenizer, _template_history(sent), [WEATHER_TOOL])
 
 
 def _template_history(history: list[dict]) -> list[dict]:

@@ -101,6 +101,8 @@ def test_a_reply_of_only_a_tool_call_has_no_content_and_an_unclosed_block_counts
 def test_a_reply_without_a_well_formed_call_is_plain_content(text: str) -> None:
     reply = parse_tool_calls(text)
     assert reply.content == text and reply.tool_calls == []
+    # A block that does not parse is a call written badly; text with no block is no call at all.
+    assert reply.malformed == ("<tool_call>" in text)
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
