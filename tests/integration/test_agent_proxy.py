@@ -86,13 +86,22 @@ def worker(
     redis_url: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RunningServer]:
-    port = free_port()
-    args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(model), "--port", str(port)]
-    args += ["--run", KEYS.run_id, "--env", f"game={game_server.url}"]
-    variables = {"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_AGENT_TIMEOUT_S": "60"}
-    server = start_server(args, port, tmp_path_factory.mktemp("proxy-worker"), env=variables, name="worker")
+    server = start_worker(
+        engine, model, KEYS, game_server, redis_url, tmp_path_factory.mktemp("proxy-worker")
+    )
     yield server
     stop_server(server.process)
+
+
+def start_worker(
+    engine: RunningServer, model: Path, keys: RunKeys, game_server: RunningServer, redis_url: str, logs: Path
+) -> RunningServer:
+    """A rollout worker (``stargym rollout``) of ``keys``' run, playing on ``engine``."""
+    port = free_port()
+    args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(model), "--port", str(port)]
+    args += ["--run", keys.run_id, "--env", f"game={game_server.url}"]
+    variables = {"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_AGENT_TIMEOUT_S": "60"}
+    return start_server(args, port, logs, env=variables, name="worker")
 
 
 # What the tool-calling policy writes: the two halves of a call, one token each. The first alone
@@ -148,11 +157,8 @@ def tool_caller_worker(
 ) -> Iterator[RunningServer]:
     """An engine serving the tool-calling policy and a worker of a run of its own."""
     engine = start_engine(tool_caller, tmp_path_factory.mktemp("caller-engine"), "--threads", "1")
-    port = free_port()
-    args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(tool_caller), "--port", str(port)]
-    args += ["--run", TOOL_CALLER_KEYS.run_id, "--env", f"game={game_server.url}"]
-    variables = {"REDIS_URL": redis_url, "STARGYM_LOG_LEVEL": "info", "STARGYM_ROLLOUT_AGENT_TIMEOUT_S": "60"}
-    server = start_server(args, port, tmp_path_factory.mktemp("caller-worker"), env=variables, name="worker")
+    logs = tmp_path_factory.mktemp("caller-worker")
+    server = start_worker(engine, tool_caller, TOOL_CALLER_KEYS, game_server, redis_url, logs)
     yield server
     stop_server(server.process)
     stop_server(engine.process)
