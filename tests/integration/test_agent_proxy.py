@@ -157,11 +157,13 @@ def tool_caller_worker(
 ) -> Iterator[RunningServer]:
     """An engine serving the tool-calling policy and a worker of a run of its own."""
     engine = start_engine(tool_caller, tmp_path_factory.mktemp("caller-engine"), "--threads", "1")
-    logs = tmp_path_factory.mktemp("caller-worker")
-    server = start_worker(engine, tool_caller, TOOL_CALLER_KEYS, game_server, redis_url, logs)
-    yield server
-    stop_server(server.process)
-    stop_server(engine.process)
+    try:
+        logs = tmp_path_factory.mktemp("caller-worker")
+        server = start_worker(engine, tool_caller, TOOL_CALLER_KEYS, game_server, redis_url, logs)
+        yield server
+        stop_server(server.process)
+    finally:  # a worker that failed to start must not leave the engine running past the tests
+        stop_server(engine.process)
 
 
 @pytest.fixture(scope="module")
