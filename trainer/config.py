@@ -314,6 +314,15 @@ class AlgorithmConfig(Section):
         "them instead of each taking it whole, so a reply is not reinforced in proportion to how "
         "often it was sampled (trainer.algorithms.advantages.duplicate_shares).",
     )
+    inverse_probability_advantage: bool = Field(
+        default=False,
+        description="In a group whose episodes are one short reply each (a one-turn stage of the "
+        "horizon schedule, a bandit), centre the advantages on their 1/π-weighted mean and scale "
+        "each by 1 / its behaviour probability, normalised over the group, so equally good replies "
+        "are pushed alike however likely they are and keep their ratio "
+        "(trainer.algorithms.advantages.inverse_probability_advantages). Such groups take it "
+        "instead of share_duplicate_advantage; multi-turn groups are left as they are.",
+    )
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
     @field_validator("advantage")

@@ -53,6 +53,7 @@ from trainer.algorithms import (
     aggregate_loss,
     duplicate_shares,
     episode_turns,
+    inverse_probability_advantages,
     kl_penalty,
     masked_whiten,
     place_rewards,
@@ -262,9 +263,15 @@ class PolicyUpdater:
         )
         if self.algo.whitens_advantages:
             advantages = masked_whiten(advantages, mask, sum_over_ranks=self.parallelism.all_reduce)
+        unweighted = advantages
         if self.algo.share_duplicate_advantage:
             shares = duplicate_shares(batch.input_ids, batch.attention_mask, batch.group_ids)
             advantages = advantages * shares.unsqueeze(1)
+        if self.algo.inverse_probability_advantage:
+            weighted, applies = inverse_probability_advantages(
+                unweighted, batch.behaviour_logprobs, mask, batch.group_ids
+            )
+            advantages = torch.where(applies.unsqueeze(1), weighted, advantages)
         return advantages, returns, None if critic_values is None else critic_values.values
 
     def _critic_values(self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int) -> CriticValues:

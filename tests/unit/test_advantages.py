@@ -15,10 +15,12 @@ from trainer.algorithms.advantages import (
     gae_advantages,
     group_stats,
     grpo_advantages,
+    inverse_probability_advantages,
     last_trainable_index,
     normalize_group_scores,
     place_rewards,
     reinforce_plus_plus_advantages,
+    reply_count,
     rloo_advantages,
 )
 from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, CriticValues, register_advantage
@@ -312,3 +314,73 @@ def test_identical_episodes_of_a_group_split_one_share() -> None:
     assert duplicate_shares(input_ids, attention_mask, torch.tensor([0, 0, 0, 0, 1, 0, 2])).tolist() == (
         pytest.approx([1 / 4, 1 / 4, 1.0, 1 / 4, 1.0, 1 / 4, 1.0])
     )
+
+
+def test_reply_count_counts_runs_of_trainable_tokens() -> None:
+    mask = torch.cat([TWO_TURN_MASK, torch.tensor([[0, 1, 1, 1, 0, 0, 0, 0, 0], [0] * 9])])
+    assert reply_count(mask).tolist() == [2, 1, 0]
+
+
+def test_inverse_probability_advantages_weight_and_centre_one_reply_groups() -> None:
+    """Group g: four one-token replies with π_b 0.5, 0.5, 0.1, 0.02, three valid (A 0.5) and one
+    invalid (A -1.5). Weights 1/π_b normalised to mean 1: 0.125, 0.125, 0.625, 3.125; weighted
+    mean of A: (0.0625 + 0.0625 + 0.3125 - 4.6875) / 4 = -1.0625. Group h has a two-reply row and
+    group k a later segment: both are left as they are."""
+    logprobs = torch.log(torch.tensor([0.5, 0.5, 0.1, 0.02, 0.3, 0.3, 0.4, 0.4]))
+    mask = torch.zeros(8, 5)
+    mask[:, 3] = 1.0
+    mask[4, 1] = 1.0  # row 4: a second reply before the last
+    behaviour = logprobs.unsqueeze(1) * mask
+    advantages = torch.tensor([0.5, 0.5, 0.5, -1.5, 1.0, -1.0, 0.7, -0.7]).unsqueeze(1) * mask
+    group_ids = ["g", "g", "g", "g", "h", "h", "k", LaterSegment("k")]
+    weighted, applies = inverse_probability_advantages(advantages, behaviour, mask, group_ids)
+    assert applies.tolist() == [True] * 4 + [False] * 4
+    assert weighted[:4, 3].tolist() == pytest.approx(
+        [0.125 * 1.5625, 0.125 * 1.5625, 0.625 * 1.5625, 3.125 * -0.4375]
+    )
+    assert torch.equal(weighted[4:], advantages[4:])
+    assert weighted[:4, :3].abs().sum() == 0 and weighted[:4, 4].abs().sum() == 0  # off the mask
+    # a group's weighted advantages sum to 0: no push on every reply in proportion to its π
+    assert float(weighted[:4, 3].sum()) == pytest.approx(0.0, abs=1e-6)
+
+
+def _valid_mix_after_training(weighting: str, seed: int) -> torch.Tensor:
+    """A 24-token softmax policy, tokens 0-3 valid (reward 0), the rest invalid (-0.5), token 0
+    likeliest at the start; 150 SGD steps on 32 groups x 4 GRPO samples. Returns the valid
+    tokens' probabilities relative to each other."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(24)
+    logits[0], logits[1] = 1.0, 0.5
+    logits.requires_grad_(True)
+    optimizer = torch.optim.SGD([logits], lr=2.0)
+    group_ids = torch.arange(32).repeat_interleave(4)
+    mask = torch.ones(128, 1)
+    for _ in range(150):
+        probs = torch.softmax(logits.detach(), 0)
+        tokens = torch.multinomial(probs, 128, replacement=True, generator=generator)
+        scores = torch.where(tokens < 4, 0.0, -0.5)
+        advantages, _ = grpo_advantages(scores, mask, group_ids)
+        if weighting == "shared":
+            advantages = advantages * duplicate_shares(tokens.unsqueeze(1), mask.long(), group_ids).unsqueeze(
+                1
+            )
+        elif weighting == "inverse":
+            behaviour = torch.log(probs[tokens]).unsqueeze(1)
+            advantages, _ = inverse_probability_advantages(advantages, behaviour, mask, group_ids)
+        loss = -(advantages[:, 0] * torch.log_softmax(logits, 0)[tokens]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    valid = torch.softmax(logits.detach(), 0)[:4]
+    return valid / valid.sum()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_inverse_probability_keeps_equally_good_replies_in_their_ratio(seed: int) -> None:
+    """The one-turn stage's drift trap in miniature: weighted per sample, or with duplicate shares,
+    the likeliest valid token takes the whole valid mass (start 0.43); weighted by 1/π_b and
+    centred, the four valid tokens keep a spread."""
+    assert _valid_mix_after_training("shared", seed)[0] > 0.95
+    assert _valid_mix_after_training("plain", seed)[0] > 0.95
+    kept = _valid_mix_after_training("inverse", seed)
+    assert kept[0] < 0.7 and kept.min() > 0.05, kept

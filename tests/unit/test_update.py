@@ -19,6 +19,7 @@ from deploy.model_init import init_tiny_model
 from services.policy import load_policy
 from services.rollout_protocol import SamplingParams, Trajectory
 from trainer.algorithms import (
+    inverse_probability_advantages,
     logprobs_from_logits,
     next_token_entropy,
     predicting_logits,
@@ -283,6 +284,31 @@ def test_identical_episodes_split_their_advantage_when_asked(model_dir: Path) ->
     assert whole[0].abs().sum() > 0
     assert torch.allclose(shared[:3], whole[:3] / 3)
     assert torch.allclose(shared[3:], whole[3:])
+
+
+def test_one_reply_groups_take_inverse_probability_advantages_when_asked(model_dir: Path) -> None:
+    """algorithm.inverse_probability_advantage: the updater trains one-reply groups on
+    :func:`inverse_probability_advantages` of the plain advantages (in place of the shared ones)."""
+    model, tokenizer = load_policy(model_dir)
+    trajectories = _one_turn(model, tokenizer, groups=2, group_size=4, max_tokens=1, seed=4)
+    trajectories = [_rewarded(t, float(row % 3 == 0)) for row, t in enumerate(trajectories)]
+    batch = collate(trajectories, tokenizer.pad_token_id)
+
+    def advantages(**algorithm) -> torch.Tensor:
+        fresh, _ = load_policy(model_dir)
+        updater = PolicyUpdater(fresh, _config(advantage="grpo", **algorithm))
+        updater.update(batch)
+        assert updater.last_advantages is not None
+        return updater.last_advantages
+
+    whole = advantages()
+    weighted = advantages(inverse_probability_advantage=True, share_duplicate_advantage=True)
+    expected, applies = inverse_probability_advantages(
+        whole, batch.behaviour_logprobs, batch.response_mask, batch.group_ids
+    )
+    assert applies.all()
+    assert torch.allclose(weighted, expected, atol=1e-6)
+    assert not torch.allclose(weighted, whole, atol=1e-3)
 
 
 def test_gae_critic_value_loss_decreases(model_dir: Path) -> None:
