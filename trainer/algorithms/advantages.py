@@ -92,9 +92,9 @@ def inverse_probability_advantages(
     response_mask: torch.Tensor,
     group_ids: GroupIds,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages [B, S], applies [B] bool)``: in each group whose every row is one reply, each
-    row's advantage re-centred on the group's ``1 / π_b``-weighted mean and scaled by its weight
-    ``w_i = (1 / π_b(y_i))`` normalised to mean 1 over the group; other rows as given.
+    """``(advantages [B, S], applies [B] bool)``: in each group whose every row is one reply,
+    ``A'_i = w_i (A_i - Σ_j w_j A_j / n)`` with ``w_i = n (1 / π_b(y_i)) / Σ_j (1 / π_b(y_j))``
+    over the group's ``n`` rows; other rows as given.
 
     advantages, behaviour_logprobs, response_mask: ``[B, S]`` (log π_b of each sampled token, 0
     off the mask); group_ids: ``[B]``. ``π_b(y) = exp(Σ_t behaviour_logprobs[t])`` over the
@@ -130,18 +130,18 @@ def inverse_probability_advantages(
     def per_group(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(num_groups, dtype=values.dtype, device=device).index_add_(0, index, values)
 
+    mask64, advantages64 = mask.double(), advantages.double()
     # 1/π_b relative to the group's likeliest reply, so exp() cannot overflow
-    surprise = -(behaviour_logprobs.double() * mask.double()).sum(dim=1)
+    surprise = -(behaviour_logprobs.double() * mask64).sum(dim=1)
     least = torch.full((num_groups,), float("inf"), dtype=torch.float64, device=device)
     least = least.scatter_reduce(0, index, surprise, reduce="amin")
     inverse = torch.exp(surprise - least[index])
-    weights = inverse * per_group(torch.ones_like(inverse))[index] / per_group(inverse)[index]
-    row_advantage = (advantages.double() * mask.double()).sum(dim=1) / mask.double().sum(dim=1).clamp(min=1.0)
-    centre = per_group(weights * row_advantage) / per_group(torch.ones_like(weights)).clamp(min=1.0)
-    weighted = (weights.unsqueeze(1) * (advantages.double() - centre[index].unsqueeze(1)) * mask.double()).to(
-        advantages.dtype
-    )
-    return torch.where(applies.unsqueeze(1), weighted, advantages), applies
+    size = per_group(torch.ones_like(inverse))
+    weights = inverse * size[index] / per_group(inverse)[index]  # mean 1 over the group
+    row_advantage = (advantages64 * mask64).sum(dim=1) / mask64.sum(dim=1).clamp(min=1.0)
+    centre = per_group(weights * row_advantage) / size  # Σ_j w_j A_j / Σ_j w_j
+    weighted = weights.unsqueeze(1) * (advantages64 - centre[index].unsqueeze(1)) * mask64
+    return torch.where(applies.unsqueeze(1), weighted.to(advantages.dtype), advantages), applies
 
 
 # --------------------------------------------------------------------------------------------
