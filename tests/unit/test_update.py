@@ -263,6 +263,15 @@ def test_grpo_raises_the_probability_of_the_rewarded_token(model_dir: Path) -> N
     assert after.mean() > 1.5 * before.mean()
 
 
+def _trained_advantages(model_dir: Path, batch: TrainBatch, **algorithm) -> torch.Tensor:
+    """The advantages a fresh GRPO updater with ``algorithm`` trains ``batch`` on (masked)."""
+    fresh, _ = load_policy(model_dir)
+    updater = PolicyUpdater(fresh, _config(advantage="grpo", **algorithm))
+    updater.update(batch)
+    assert updater.last_advantages is not None
+    return updater.last_advantages
+
+
 def test_identical_episodes_split_their_advantage_when_asked(model_dir: Path) -> None:
     """algorithm.share_duplicate_advantage: an episode sampled three times in its group trains
     with a third of its advantage on each copy; distinct episodes keep theirs."""
@@ -273,14 +282,8 @@ def test_identical_episodes_split_their_advantage_when_asked(model_dir: Path) ->
         trajectories[row] = trajectories[0].model_copy(update={"job_id": f"copy-{row}"})
     batch = collate(trajectories, tokenizer.pad_token_id)
 
-    def advantages(**algorithm) -> torch.Tensor:
-        fresh, _ = load_policy(model_dir)
-        updater = PolicyUpdater(fresh, _config(advantage="grpo", **algorithm))
-        updater.update(batch)
-        assert updater.last_advantages is not None
-        return updater.last_advantages
-
-    whole, shared = advantages(), advantages(share_duplicate_advantage=True)
+    whole = _trained_advantages(model_dir, batch)
+    shared = _trained_advantages(model_dir, batch, share_duplicate_advantage=True)
     assert whole[0].abs().sum() > 0
     assert torch.allclose(shared[:3], whole[:3] / 3)
     assert torch.allclose(shared[3:], whole[3:])
@@ -294,15 +297,10 @@ def test_one_reply_groups_take_inverse_probability_advantages_when_asked(model_d
     trajectories = [_rewarded(t, float(row % 3 == 0)) for row, t in enumerate(trajectories)]
     batch = collate(trajectories, tokenizer.pad_token_id)
 
-    def advantages(**algorithm) -> torch.Tensor:
-        fresh, _ = load_policy(model_dir)
-        updater = PolicyUpdater(fresh, _config(advantage="grpo", **algorithm))
-        updater.update(batch)
-        assert updater.last_advantages is not None
-        return updater.last_advantages
-
-    whole = advantages()
-    weighted = advantages(inverse_probability_advantage=True, share_duplicate_advantage=True)
+    whole = _trained_advantages(model_dir, batch)
+    weighted = _trained_advantages(
+        model_dir, batch, inverse_probability_advantage=True, share_duplicate_advantage=True
+    )
     expected, applies = inverse_probability_advantages(
         whole, batch.behaviour_logprobs, batch.response_mask, batch.group_ids
     )
