@@ -314,14 +314,16 @@ class AlgorithmConfig(Section):
         "them instead of each taking it whole, so a reply is not reinforced in proportion to how "
         "often it was sampled (trainer.algorithms.advantages.duplicate_shares).",
     )
-    inverse_probability_advantage: bool = Field(
-        default=False,
-        description="In a group whose episodes are one short reply each (a one-turn stage of the "
-        "horizon schedule, a bandit), centre the advantages on their 1/π-weighted mean and scale "
-        "each by 1 / its behaviour probability, normalised over the group, so equally good replies "
-        "are pushed alike however likely they are and keep their ratio "
-        "(trainer.algorithms.advantages.inverse_probability_advantages). Such groups take it "
-        "instead of share_duplicate_advantage; multi-turn groups are left as they are.",
+    inverse_probability_advantage: Literal["one_reply", "first_reply"] | None = Field(
+        default=None,
+        description="Push equally good short replies alike however likely they are: centre the "
+        "advantages of a group's first replies on their 1/π-weighted mean and scale each by 1 / "
+        "its behaviour probability, normalised over the group, so they keep their ratio "
+        "(trainer.algorithms.advantages.inverse_probability_advantages). one_reply: only groups "
+        "whose episodes are one reply each (a one-turn stage of the horizon schedule, a bandit); "
+        "first_reply: also the first turn of multi-turn groups (one start state per group), whose "
+        "later turns keep their advantages; null: off. The tokens it weighs take it instead of "
+        "share_duplicate_advantage.",
     )
     critic: CriticConfig = Field(default_factory=CriticConfig)
 

@@ -267,11 +267,15 @@ class PolicyUpdater:
         if self.algo.share_duplicate_advantage:
             shares = duplicate_shares(batch.input_ids, batch.attention_mask, batch.group_ids)
             advantages = advantages * shares.unsqueeze(1)
-        if self.algo.inverse_probability_advantage:
+        if self.algo.inverse_probability_advantage is not None:
             weighted, applies = inverse_probability_advantages(
-                unweighted, batch.behaviour_logprobs, mask, batch.group_ids
+                unweighted,
+                batch.behaviour_logprobs,
+                mask,
+                batch.group_ids,
+                scope=self.algo.inverse_probability_advantage,
             )
-            advantages = torch.where(applies.unsqueeze(1), weighted, advantages)
+            advantages = torch.where(applies, weighted, advantages)
         return advantages, returns, None if critic_values is None else critic_values.values
 
     def _critic_values(self, batch: TrainBatch, micros: list[TrainBatch], num_micro: int) -> CriticValues:

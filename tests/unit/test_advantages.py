@@ -12,6 +12,7 @@ from trainer.algorithms.advantages import (
     LaterSegment,
     duplicate_shares,
     episode_scores,
+    first_reply_mask,
     gae_advantages,
     group_stats,
     grpo_advantages,
@@ -334,7 +335,7 @@ def test_inverse_probability_advantages_weight_and_centre_one_reply_groups() -> 
     advantages = torch.tensor([0.5, 0.5, 0.5, -1.5, 1.0, -1.0, 0.7, -0.7]).unsqueeze(1) * mask
     group_ids = ["g", "g", "g", "g", "h", "h", "k", LaterSegment("k")]
     weighted, applies = inverse_probability_advantages(advantages, behaviour, mask, group_ids)
-    assert applies.tolist() == [True] * 4 + [False] * 4
+    assert torch.equal(applies, mask.bool() & torch.tensor([True] * 4 + [False] * 4).unsqueeze(1))
     assert weighted[:4, 3].tolist() == pytest.approx(
         [0.125 * 1.5625, 0.125 * 1.5625, 0.625 * 1.5625, 3.125 * -0.4375]
     )
@@ -344,34 +345,81 @@ def test_inverse_probability_advantages_weight_and_centre_one_reply_groups() -> 
     assert float(weighted[:4, 3].sum()) == pytest.approx(0.0, abs=1e-6)
 
 
-def _valid_mix_after_training(weighting: str, seed: int) -> torch.Tensor:
-    """A 24-token softmax policy, tokens 0-3 valid (reward 0), the rest invalid (-0.5), token 0
-    likeliest at the start; 150 SGD steps on 32 groups x 4 GRPO samples. Returns the valid
-    tokens' probabilities relative to each other."""
+def test_first_reply_scope_weighs_the_first_turn_of_multi_turn_groups() -> None:
+    """Group g: two-reply rows (tokens 1 and 3) whose first replies have π_b 0.5, 0.5, 0.1, 0.02,
+    the same weights and advantages as the one-reply group above, so the first replies take the
+    same values and the second replies keep theirs. Group h has a row of no reply: left alone.
+    The one-reply scope leaves both groups alone."""
+    mask = torch.zeros(6, 5)
+    mask[:, 1] = mask[:, 3] = 1.0
+    mask[5] = 0.0
+    behaviour = torch.zeros(6, 5)
+    behaviour[:, 1] = torch.log(torch.tensor([0.5, 0.5, 0.1, 0.02, 0.3, 1.0]))
+    behaviour[:, 3] = torch.log(torch.tensor([0.9, 0.01, 0.5, 0.5, 0.3, 1.0]))  # not weighed
+    behaviour = behaviour * mask
+    advantages = torch.tensor([0.5, 0.5, 0.5, -1.5, 1.0, 0.0]).unsqueeze(1) * mask
+    group_ids = ["g", "g", "g", "g", "h", "h"]
+    weighted, applies = inverse_probability_advantages(
+        advantages, behaviour, mask, group_ids, scope="first_reply"
+    )
+    assert applies[:4, 1].all() and applies.sum() == 4
+    assert weighted[:4, 1].tolist() == pytest.approx(
+        [0.125 * 1.5625, 0.125 * 1.5625, 0.625 * 1.5625, 3.125 * -0.4375]
+    )
+    assert torch.equal(weighted[:, 3], advantages[:, 3]) and torch.equal(weighted[4:], advantages[4:])
+    untouched, applies = inverse_probability_advantages(advantages, behaviour, mask, group_ids)
+    assert not applies.any() and torch.equal(untouched, advantages)
+
+
+def test_first_reply_mask_marks_each_rows_first_run() -> None:
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 0, 1, 1, 0, 1], [0, 0, 0, 1, 1, 1], [0] * 6])
+    assert first_reply_mask(mask).long().tolist() == [
+        [0, 1, 1, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0],
+        [0, 0, 0, 1, 1, 1],
+        [0] * 6,
+    ]
+
+
+def _valid_mix_after_training(weighting: str, seed: int, turns: int = 1) -> torch.Tensor:
+    """A 24-token softmax policy per turn, tokens 0-3 valid, the rest invalid, token 0 likeliest at
+    the start; an episode's reward is -0.5 x its share of invalid turns; 150 SGD steps on 32
+    groups x 4 GRPO samples. With two turns a row is two replies with an observation token
+    between them. Returns the first turn's valid tokens' probabilities relative to each other."""
     generator = torch.Generator().manual_seed(seed)
-    logits = torch.zeros(24)
-    logits[0], logits[1] = 1.0, 0.5
+    logits = torch.zeros(turns, 24)
+    logits[:, 0], logits[:, 1] = 1.0, 0.5
     logits.requires_grad_(True)
     optimizer = torch.optim.SGD([logits], lr=2.0)
     group_ids = torch.arange(32).repeat_interleave(4)
-    mask = torch.ones(128, 1)
+    columns = torch.arange(turns) * 2  # reply tokens; the columns between are observations
+    mask = torch.zeros(128, 2 * turns - 1)
+    mask[:, columns] = 1.0
     for _ in range(150):
-        probs = torch.softmax(logits.detach(), 0)
-        tokens = torch.multinomial(probs, 128, replacement=True, generator=generator)
-        scores = torch.where(tokens < 4, 0.0, -0.5)
+        probs = torch.softmax(logits.detach(), 1)
+        tokens = torch.stack(
+            [
+                torch.multinomial(probs[turn], 128, replacement=True, generator=generator)
+                for turn in range(turns)
+            ],
+            dim=1,
+        )
+        scores = -0.5 * (tokens >= 4).float().mean(dim=1)
         advantages, _ = grpo_advantages(scores, mask, group_ids)
         if weighting == "shared":
-            advantages = advantages * duplicate_shares(tokens.unsqueeze(1), mask.long(), group_ids).unsqueeze(
-                1
+            advantages = advantages * duplicate_shares(tokens, mask.long(), group_ids).unsqueeze(1)
+        elif weighting in ("one_reply", "first_reply"):
+            behaviour = torch.zeros_like(mask)
+            behaviour[:, columns] = torch.log(probs[torch.arange(turns), tokens])
+            advantages, _ = inverse_probability_advantages(
+                advantages, behaviour, mask, group_ids, scope=weighting
             )
-        elif weighting == "inverse":
-            behaviour = torch.log(probs[tokens]).unsqueeze(1)
-            advantages, _ = inverse_probability_advantages(advantages, behaviour, mask, group_ids)
-        loss = -(advantages[:, 0] * torch.log_softmax(logits, 0)[tokens]).mean()
+        logprobs = torch.log_softmax(logits, 1)[torch.arange(turns), tokens]
+        loss = -(advantages[:, columns] * logprobs).sum(dim=1).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    valid = torch.softmax(logits.detach(), 0)[:4]
+    valid = torch.softmax(logits.detach()[0], 0)[:4]
     return valid / valid.sum()
 
 
@@ -382,5 +430,14 @@ def test_inverse_probability_keeps_equally_good_replies_in_their_ratio(seed: int
     centred, the four valid tokens keep a spread."""
     assert _valid_mix_after_training("shared", seed)[0] > 0.95
     assert _valid_mix_after_training("plain", seed)[0] > 0.95
-    kept = _valid_mix_after_training("inverse", seed)
+    kept = _valid_mix_after_training("one_reply", seed)
+    assert kept[0] < 0.7 and kept.min() > 0.05, kept
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_first_reply_scope_keeps_the_first_moves_of_multi_turn_episodes_in_their_ratio(seed: int) -> None:
+    """The same trap on the first move of two-turn episodes: the one-reply scope leaves these
+    groups alone and the first move drifts as unweighted; the first-reply scope weighs it."""
+    assert _valid_mix_after_training("one_reply", seed, turns=2)[0] > 0.95
+    kept = _valid_mix_after_training("first_reply", seed, turns=2)
     assert kept[0] < 0.7 and kept.min() > 0.05, kept

@@ -25,6 +25,7 @@ from trainer.algorithms import (
     predicting_logits,
     selected_logprobs_and_entropy,
 )
+from trainer.algorithms.advantages import first_reply_mask, reply_count
 from trainer.batch import TrainBatch, collate
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainConfig
@@ -299,14 +300,35 @@ def test_one_reply_groups_take_inverse_probability_advantages_when_asked(model_d
 
     whole = _trained_advantages(model_dir, batch)
     weighted = _trained_advantages(
-        model_dir, batch, inverse_probability_advantage=True, share_duplicate_advantage=True
+        model_dir, batch, inverse_probability_advantage="one_reply", share_duplicate_advantage=True
     )
     expected, applies = inverse_probability_advantages(
         whole, batch.behaviour_logprobs, batch.response_mask, batch.group_ids
     )
-    assert applies.all()
+    assert torch.equal(applies, batch.response_mask.bool())
     assert torch.allclose(weighted, expected, atol=1e-6)
     assert not torch.allclose(weighted, whole, atol=1e-3)
+
+
+def test_multi_turn_groups_take_inverse_probability_advantages_on_their_first_reply(model_dir: Path) -> None:
+    """algorithm.inverse_probability_advantage=first_reply: in multi-turn groups the first reply's
+    tokens train on :func:`inverse_probability_advantages`, every later turn on the plain
+    advantage; one_reply leaves such groups as they are."""
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer, seed=5, turns=(2, 3))
+    assert (reply_count(batch.response_mask) >= 2).all()
+
+    whole = _trained_advantages(model_dir, batch)
+    first = _trained_advantages(model_dir, batch, inverse_probability_advantage="first_reply")
+    expected, applies = inverse_probability_advantages(
+        whole, batch.behaviour_logprobs, batch.response_mask, batch.group_ids, scope="first_reply"
+    )
+    assert torch.equal(applies, first_reply_mask(batch.response_mask))
+    assert torch.allclose(first, expected, atol=1e-6)
+    assert torch.equal(first[~applies], whole[~applies])
+    assert not torch.allclose(first[applies], whole[applies], atol=1e-3)
+    one_reply = _trained_advantages(model_dir, batch, inverse_probability_advantage="one_reply")
+    assert torch.allclose(one_reply, whole)
 
 
 def test_gae_critic_value_loss_decreases(model_dir: Path) -> None:
