@@ -274,12 +274,12 @@ def test_cpu_profile_trains_through_the_containers(project: ComposeProject) -> N
             assert status["state"] not in ("failed", "stopped"), status
             return status if status["step"] >= UPDATES else None
 
-        status = wait_until(
-            trained,
-            f"{UPDATES} updates\n{project.logs('trainer-cpu')}\n{project.logs('rollout-cpu')}",
-            deadline_s=10 * 60,
-            interval_s=2.0,
-        )
+        try:
+            status = wait_until(trained, f"{UPDATES} updates", deadline_s=10 * 60, interval_s=2.0)
+        except AssertionError as error:  # the logs as they are when it gave up, not as it began
+            services = ("trainer-cpu", "rollout-cpu", "engine")
+            status = client.get("/status").json()
+            raise AssertionError("\n".join([str(error), str(status), *map(project.logs, services)])) from None
         assert status["counters"]["trajectories_consumed"] >= status["step"], status
         page = client.get("/")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]

@@ -74,16 +74,21 @@ def duplicate_shares(
     return torch.tensor([1.0 / counts[signature] for signature in signatures], device=input_ids.device)
 
 
+def _reply_starts(response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: the first token of each run of consecutive trainable tokens (a reply)."""
+    mask = response_mask.bool()
+    starts = mask.clone()
+    starts[:, 1:] &= ~mask[:, :-1]
+    return starts
+
+
 def reply_count(response_mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` long: how many replies each row holds, the runs of consecutive trainable tokens.
 
     response_mask: ``[B, S]``, 1 on trainable tokens. A multi-turn episode has one run per turn
     that sampled a token; a single-turn episode has one.
     """
-    mask = response_mask.bool()
-    starts = mask.clone()
-    starts[:, 1:] &= ~mask[:, :-1]
-    return starts.sum(dim=1)
+    return _reply_starts(response_mask).sum(dim=1)
 
 
 def first_reply_mask(response_mask: torch.Tensor) -> torch.Tensor:
@@ -91,10 +96,7 @@ def first_reply_mask(response_mask: torch.Tensor) -> torch.Tensor:
 
     response_mask: ``[B, S]``, 1 on trainable tokens. Every token of a one-reply row.
     """
-    mask = response_mask.bool()
-    starts = mask.clone()
-    starts[:, 1:] &= ~mask[:, :-1]
-    return mask & (starts.long().cumsum(dim=1) == 1)
+    return response_mask.bool() & (_reply_starts(response_mask).long().cumsum(dim=1) == 1)
 
 
 InverseProbabilityScope = Literal["one_reply", "first_reply"]
