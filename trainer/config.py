@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from services.contracts import FAMILY_PORTS
 from services.rollout_protocol import AGENT_ENTRY_POINT, RUN_ID_PATTERN, ActionFormat, SamplingParams
+from trainer.algorithms.advantages import InverseProbabilityScope
 from trainer.algorithms.curriculum import HorizonSchedule
 from trainer.algorithms.filtering import num_groups_to_keep
 from trainer.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
@@ -314,7 +315,7 @@ class AlgorithmConfig(Section):
         "them instead of each taking it whole, so a reply is not reinforced in proportion to how "
         "often it was sampled (trainer.algorithms.advantages.duplicate_shares).",
     )
-    inverse_probability_advantage: Literal["one_reply", "first_reply"] | None = Field(
+    inverse_probability_advantage: InverseProbabilityScope | None = Field(
         default=None,
         description="Push equally good short replies alike however likely they are: centre the "
         "advantages of a group's first replies on their 1/π-weighted mean and scale each by 1 / "
