@@ -140,14 +140,13 @@ def inverse_probability_advantages(
     the recipe (3 seeds: 0.5 held-out after 5.5 and 6.1 min against 3.8 and 4.8, none trapped in
     either arm): after the first climb the likeliest first move is mostly a good one, and
     evening its push delays the map-blind step along a good route (README, Performance).
-    Self-normalised within the group, so a group
-    keeps its weight in the batch and no row outweighs its group. Only the first reply is
-    weighted: ``π_b`` of a whole multi-turn episode is a product over turns whose inverse spans
-    orders of magnitude, and only the first observation is the same across a group. A group with
-    a row of no reply or a :class:`LaterSegment` is left alone. Meant for short replies (one-token
-    actions): over long ones the rarest sample takes nearly all of its group's weight.
+    Self-normalised within the group, so a group keeps its weight in the batch and no row
+    outweighs its group. Only the first reply is weighted: ``π_b`` of a whole multi-turn episode
+    is a product over turns whose inverse spans orders of magnitude, and only the first
+    observation is the same across a group. A group with a row of no reply or a
+    :class:`LaterSegment` is left alone. Meant for short replies (one-token actions): over long
+    ones the rarest sample takes nearly all of its group's weight.
     """
-    mask = response_mask.to(advantages.dtype)
     device = advantages.device
     index, num_groups = group_index(group_ids, device)
     replies = reply_count(response_mask)
@@ -171,7 +170,7 @@ def inverse_probability_advantages(
     weights = inverse * size[index] / per_group(inverse)[index]  # mean 1 over the group
     row_advantage = (advantages64 * first64).sum(dim=1) / first64.sum(dim=1).clamp(min=1.0)
     centre = per_group(weights * row_advantage) / size  # Σ_j w_j A_j / Σ_j w_j
-    weighted = weights.unsqueeze(1) * (advantages64 - centre[index].unsqueeze(1)) * mask.double()
+    weighted = weights.unsqueeze(1) * (advantages64 - centre[index].unsqueeze(1))
     return torch.where(applies, weighted.to(advantages.dtype), advantages), applies
 
 
