@@ -76,13 +76,19 @@ def start_service(
     env: dict[str, str] | None = None,
     health_deadline_s: float = 60.0,
     cwd: Path | None = None,
+    niceness: int = 0,
 ) -> ServiceProcess:
-    """Start ``stargym ARGS`` (which must listen on ``port``) and return once it is healthy."""
+    """Start ``stargym ARGS`` (which must listen on ``port``) and return once it is healthy.
+
+    ``niceness``: how many steps below this process's CPU priority the service runs, through
+    POSIX ``nice`` (it execs the service, so the pid is the service's and every thread the service
+    makes inherits the priority; ``preexec_fn`` would do the same but is unsafe in a threaded parent).
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [*STARGYM, *args],
+            [*(["nice", "-n", str(niceness)] if niceness else []), *STARGYM, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
