@@ -14,7 +14,9 @@ every 10 updates delayed the next batch by 3-4 s, a third of the time of 10 one-
 An **arm** is a checkout (``--arm LABEL=DIR``, default ``main`` = this one): its services and its
 recipe run (cwd = DIR, ``python -m deploy``), so ``--arm before=<worktree of an older commit>``
 measures the old code and recipe beside today's. Arms may share a checkout and differ in config
-(``--arm-set LABEL KEY=VALUE``: a recipe change measured beside the recipe as it is). Runs alternate between arms, so all arms see the
+(``--arm-set LABEL KEY=VALUE``: a recipe change measured beside the recipe as it is). The
+launcher (``bring_up``) is this checkout's for every arm, so a launcher setting is an arm option of
+its own (``--arm-niceness LABEL N``: the rollout side's priority). Runs alternate between arms, so all arms see the
 same machine in the same hour; the median of ``--runs`` runs per arm is reported (a run that
 never reached the target counts as its whole budget, and says so). Results go to
 ``bench/results/learning.json`` and the plot of held-out success against wall-clock minutes, one
@@ -41,6 +43,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from deploy.demo import DEMO_CONFIG, DemoReport, evaluate, train_and_evaluate  # noqa: E402
+from deploy.up import ROLLOUT_NICENESS  # noqa: E402
 from services.policy import policy_dir_name, policy_version  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 
@@ -70,6 +73,7 @@ def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir
             minutes=args.minutes,
             evaluate_before=False,
             trainer_threads=args.trainer_threads,
+            rollout_niceness=args.arm_niceness.get(arm, ROLLOUT_NICENESS),
         )
         curve = held_out_curve(report, started, args.eval_every)
     reached = next((point for point in curve if point["success"] >= args.target), None)
@@ -234,6 +238,15 @@ def parse_args() -> argparse.Namespace:
         metavar=("LABEL", "KEY=VALUE"),
         help="A config override for one arm's runs (after --set), e.g. --arm-set lr3 optim.lr=3e-3.",
     )
+    parser.add_argument(
+        "--arm-niceness",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("LABEL", "N"),
+        help=f"How many nice steps below the trainer one arm's rollout side runs (default {ROLLOUT_NICENESS},"
+        " `stargym up`'s; the launcher is this checkout's for every arm), e.g. --arm-niceness equal 0.",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
     parser.add_argument(
         "--keep-runs",
@@ -252,6 +265,10 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--arm-set {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
         per_arm.setdefault(label, []).append(override)
     args.arm_set = per_arm
+    for label, _ in args.arm_niceness:
+        if label not in labels:
+            parser.error(f"--arm-niceness {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+    args.arm_niceness = {label: int(niceness) for label, niceness in args.arm_niceness}
     args.out = args.out.resolve()
     return args
 
@@ -291,6 +308,7 @@ def main() -> int:
         "trainer_threads": args.trainer_threads,
         "overrides": args.set,
         "arm_overrides": args.arm_set,
+        "arm_niceness": args.arm_niceness,
         "arm_commits": {label: commit_of(tree) for label, tree in args.arms},
         "runtime_s": time.perf_counter() - started,
         "arms": summarise(runs),
