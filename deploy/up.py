@@ -38,11 +38,13 @@ from trainer.config import TrainConfig
 DEFAULT_CONCURRENCY = 64
 ROLLOUT_NICENESS = 10
 """How far below the trainer the env servers, the engine and the rollout worker run by default.
-The trainer is the slower stage of the cycle on a small machine (the next batch is ready when an
-update ends), so CPU it loses to the rollout side lengthens every cycle, while the rollout side
-loses nothing it needs: it has the other cores and the trainer's gaps. Toggled every 40 s within
-one `make demo` run on 2 cores: 55-57 updates a minute niced against 39-47 not (an update 0.94-0.99 s
-against 1.21-1.32 s), and the trained batches were fresher (staleness 1.6-2.4 against 4.0)."""
+On a small machine the update is the slower stage of the cycle: at equal priority the rollout side
+runs the whole staleness window ahead (batches trained 4.0 versions old, the next one always
+waiting) and takes CPU from the update (1.21-1.41 s median, ~0.65 s alone). Niced, the update took
+0.97-1.01 s, the rollout side still delivered each batch within 0.14-0.18 s of asking, and batches
+were trained 1.2 versions old. The demo's recipe, 3 seeds x 6 min on 2 cores
+(bench/results/learning-nice.json): 331-341 updates against 293-313, and 3 of 3 runs at 0.5
+held-out success (median 4.5 min) against 1 of 3."""
 
 
 @dataclass
