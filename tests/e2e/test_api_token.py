@@ -13,11 +13,13 @@ Per service (the env server's own guard is tested at length in ``test_env_api.py
 
 And the round trips: the run trains, so the worker's calls to the env server (episodes) and to
 the engine (generation, weight reloads) carried the token; the trainer's system view reads the
-worker's ``/status``, the env server and the engine with it.
+worker's ``/status``, the env server and the engine with it. On the same stack, as ``stargym up``
+starts it: the rollout side runs ``ROLLOUT_NICENESS`` steps below the trainer.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import httpx
@@ -25,7 +27,7 @@ import pytest
 import redis
 from conftest import REPO_ROOT, RunningServer, free_port, short_run_overrides, wait_until
 
-from deploy.up import Stack, bring_up
+from deploy.up import ROLLOUT_NICENESS, Stack, bring_up
 from services.rollout_protocol import RunKeys, Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(6 * 60)]
@@ -134,3 +136,17 @@ def test_every_call_inside_the_run_carries_the_token(stack: Stack, redis_url: st
     assert [(w["url"], w["ok"], w["error"]) for w in system["workers"]] == [(stack.worker.url, True, None)]
     assert [(e["url"], e["ok"], e["error"]) for e in system["engines"]] == [(stack.engine.url, True, None)]
     assert system["env_servers"] and all(e["ok"] for e in system["env_servers"]), system["env_servers"]
+
+
+def test_the_rollout_side_runs_below_the_trainer(stack: Stack) -> None:
+    """The launcher's default: the update is the slower stage of the cycle on a small machine, so
+    the env server, the engine and the worker yield the CPU to the trainer (README, Performance)."""
+
+    def priority(name: str) -> int:
+        return os.getpriority(os.PRIO_PROCESS, service(stack, name).process.pid)
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert priority("trainer") == own
+    assert {name: priority(name) for name in ("env", "engine", "worker")} == dict.fromkeys(
+        ("env", "engine", "worker"), min(19, own + ROLLOUT_NICENESS)
+    )
