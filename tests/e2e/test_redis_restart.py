@@ -237,8 +237,11 @@ def test_a_run_goes_on_after_redis_is_restarted_and_loses_nothing(tmp_path: Path
         "rollout.max_staleness=5",  # which this admits: 6 batches of 16 jobs
     ]
     try:
+        # Equal priority: the SIGSTOP choreography (freeze the worker with part of the pile still in
+        # flight) needs the test's poll to see the batch before the worker plays the rest, and with
+        # the rollout side niced below everything else (the launcher's default) it once did not.
         with bring_up(
-            CONFIG, overrides, concurrency=CONCURRENCY, redis_url=server.url, private=True
+            CONFIG, overrides, concurrency=CONCURRENCY, redis_url=server.url, private=True, rollout_niceness=0
         ) as stack:
             worker, trainer = stack.worker, stack.trainer
             wait_for(stack, trainer, lambda s: s["step"] >= 2, "two updates")
