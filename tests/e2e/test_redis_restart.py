@@ -48,8 +48,10 @@ GROUP_SIZE, GROUPS_PER_BATCH = 4, 4
 DEADLINE_S = 180.0
 CONCURRENCY = 8
 """Episodes the worker plays at once: a batch is two rounds of it."""
-PILE = GROUP_SIZE * (GROUPS_PER_BATCH + 2)
-"""Jobs let pile up for the worker: a batch, and a round still in flight once it is played."""
+PILE = GROUP_SIZE * (GROUPS_PER_BATCH + 6)
+"""Jobs let pile up for the worker: a batch, and three rounds still to play once it is played. With
+one round (a pile of 24) the worker sometimes played it all before the test's poll saw the batch
+(1-token replies: a round is one engine step), and no job was in flight when Redis stopped."""
 OUTAGE_S = 6.0
 """How long Redis stays down: several backoff steps of every service (the worker's start at 0.5 s,
 the trainer's at 0.2 s, both doubling)."""
@@ -237,11 +239,8 @@ def test_a_run_goes_on_after_redis_is_restarted_and_loses_nothing(tmp_path: Path
         "rollout.max_staleness=5",  # which this admits: 6 batches of 16 jobs
     ]
     try:
-        # Equal priority: the SIGSTOP choreography (freeze the worker with part of the pile still in
-        # flight) needs the test's poll to see the batch before the worker plays the rest, and with
-        # the rollout side niced below everything else (the launcher's default) it once did not.
         with bring_up(
-            CONFIG, overrides, concurrency=CONCURRENCY, redis_url=server.url, private=True, rollout_niceness=0
+            CONFIG, overrides, concurrency=CONCURRENCY, redis_url=server.url, private=True
         ) as stack:
             worker, trainer = stack.worker, stack.trainer
             wait_for(stack, trainer, lambda s: s["step"] >= 2, "two updates")
