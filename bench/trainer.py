@@ -20,7 +20,8 @@ episode. Results go to ``bench/results/trainer.json``.
 ``--device cuda``: the batch is still sampled on the CPU, then the batch, both models and both
 timed loops are on the GPU, and every timer is read after ``torch.cuda.synchronize()``. The
 updater's ``bf16: auto`` autocasts to bfloat16 there, so the bare loop runs its forwards under the
-same autocast (on the CPU both are float32). Results go to ``bench/results/trainer-cuda.json``
+same autocast. On the CPU both are float32, except on a CPU with AMX, where ``auto`` autocasts too:
+there the same update in float32 is timed in the same rounds as well, and its ratio printed. Results go to ``bench/results/trainer-cuda.json``
 (with the GPU's name), so the CPU numbers stay. ``deploy/gpu/check_trainer.sh`` runs it.
 
 ``--shape qwen2.5-0.5b``: the same batch through a model of Qwen2.5-0.5B's architecture (24 layers,
@@ -195,10 +196,19 @@ def main() -> None:
             foreach=True,
         )
         updater = PolicyUpdater(model, config, device=device)  # moves the sampling model there
+        # On an AMX CPU `bf16: auto` autocasts: time the float32 update in the same rounds too, so
+        # the gain is a ratio from one run (a GPU's float32 Qwen-size update may not fit beside it).
+        float32_updater = None
+        if device.type == "cpu" and updater.autocast:
+            float32_config = config.model_copy(
+                update={"optim": config.optim.model_copy(update={"bf16": False})}
+            )
+            float32_updater = PolicyUpdater(load_policy(model_dir)[0], float32_config, device=device)
 
     tokens = batch.num_tokens
     bare_times: list[float] = []
     update_times: list[float] = []
+    float32_times: list[float] = []
     metrics: dict[str, float] = {}
     for round_index in range(args.rounds + 1):
         started = now()
@@ -207,12 +217,19 @@ def main() -> None:
         started = now()
         metrics = updater.update(batch)
         update_s = now() - started
-        if round_index > 0:  # the first round warms both up
+        if float32_updater is not None:
+            started = now()
+            float32_updater.update(batch)
+            float32_s = now() - started
+        if round_index > 0:  # the first round warms them up
             bare_times.append(bare_s)
             update_times.append(update_s)
+            if float32_updater is not None:
+                float32_times.append(float32_s)
     bare_tps = tokens / statistics.median(bare_times)
     update_tps = tokens / statistics.median(update_times)
     overhead = bare_tps / update_tps - 1.0
+    float32_tps = tokens / statistics.median(float32_times) if float32_times else None
     result = {
         "batch": {
             "episodes": batch.size,
@@ -230,6 +247,8 @@ def main() -> None:
         "rounds": args.rounds,
         "bare_s": [round(t, 4) for t in bare_times],
         "update_s": [round(t, 4) for t in update_times],
+        "float32_updater_tokens_per_s": round(float32_tps, 1) if float32_tps else None,
+        "float32_update_s": [round(t, 4) for t in float32_times],
         "last_metrics": {k: round(v, 6) for k, v in metrics.items()},
         "shape": args.shape,
         "parameters": sum(p.numel() for p in bare_model.parameters()),
@@ -257,6 +276,10 @@ def main() -> None:
     )
     print(f"bare forward+backward+step: {bare_tps:,.0f} tokens/s")
     print(f"PolicyUpdater.update:       {update_tps:,.0f} tokens/s")
+    if float32_tps:
+        print(
+            f"the same update in float32: {float32_tps:,.0f} tokens/s (bf16 autocast {update_tps / float32_tps:.2f}x)"
+        )
     print(f"overhead: {100 * overhead:.1f}% (target <= 15%)  -> {results_path.relative_to(ROOT)}")
 
 

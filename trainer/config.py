@@ -426,7 +426,10 @@ class OptimConfig(Section):
     total_steps: int = Field(default=200, ge=1, description="Updates in the run (and the cosine length).")
     grad_clip: float | None = Field(default=1.0, gt=0, description="Max gradient norm; None: no clipping.")
     micro_batch_tokens: int = Field(default=8192, ge=1, description="Token budget of one micro-batch.")
-    bf16: Literal["auto", True, False] = Field(default="auto", description="auto: bf16 autocast on GPU only.")
+    bf16: Literal["auto", True, False] = Field(
+        default="auto",
+        description="bf16 autocast of the forwards; auto: on a GPU, and on a CPU with AMX (Sapphire Rapids on).",
+    )
     gradient_checkpointing: bool = False
 
     @field_validator("betas")

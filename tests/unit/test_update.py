@@ -45,12 +45,14 @@ def _vocab(tokenizer) -> list[int]:
 
 
 def _config(**algorithm) -> TrainConfig:
+    """Float32 unless ``optim`` says otherwise: these tests check the update against its formulas
+    to 1e-5, which ``bf16: auto`` would turn into a check of bfloat16 rounding on an AMX CPU."""
     optim = algorithm.pop("optim", {})
     return TrainConfig.from_dict(
         {
             "rollout": {"sampling": {"temperature": TEMPERATURE, "max_tokens": 4}},
             "algorithm": algorithm,
-            "optim": {"lr": 1e-3, "weight_decay": 0.0, "micro_batch_tokens": 8192, **optim},
+            "optim": {"lr": 1e-3, "weight_decay": 0.0, "micro_batch_tokens": 8192, "bf16": False, **optim},
         }
     )
 
@@ -125,6 +127,55 @@ def test_metrics_and_first_update_logprob_gap(model_dir: Path) -> None:
     assert 0 < metrics["train/entropy"] < math.log(len(tokenizer))
     # The weights moved, so the same batch is now off-policy by a measurable gap.
     assert updater.update(batch)["rollout/logprob_gap"] > 1e-4
+
+
+def _first_step(model_dir: Path, batch: TrainBatch, bf16: bool | str) -> tuple[PolicyUpdater, dict, list]:
+    """An update of a fresh policy; its metrics and the gradients its optimizer step applied."""
+    model, _ = load_policy(model_dir)
+    updater = PolicyUpdater(model, _config(optim={"micro_batch_tokens": 64, "bf16": bf16}))
+    grads: list[torch.Tensor] = []
+    updater.optimizer.register_step_pre_hook(  # after clipping, before the step
+        lambda optimizer, args, kwargs: grads.extend(
+            p.grad.detach().clone() for p in updater.policy.parameters()
+        )
+    )
+    return updater, updater.update(batch), grads
+
+
+def test_bf16_autocast_on_the_cpu_is_the_float32_update_up_to_bfloat16_rounding(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    batch = _batch(model, tokenizer)
+    exact, exact_metrics, exact_grads = _first_step(model_dir, batch, False)
+    rounded, metrics, grads = _first_step(model_dir, batch, True)
+    assert not exact.autocast and rounded.autocast
+    assert all(math.isfinite(value) for value in metrics.values())
+    # Sampled by these weights: bfloat16 forwards recompute the log-probs to its rounding (float32:
+    # under 1e-4, the test above), so the gap shows the autocast is real.
+    assert 1e-5 < metrics["rollout/logprob_gap"] < 1e-2, metrics["rollout/logprob_gap"]
+    assert metrics["train/entropy"] == pytest.approx(exact_metrics["train/entropy"], rel=1e-2)
+    flat, flat_exact = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in exact_grads])
+    assert float(flat_exact.abs().sum()) > 0
+    relative = torch.linalg.vector_norm(flat - flat_exact) / torch.linalg.vector_norm(flat_exact)
+    assert float(relative) < 5e-2
+    # Autocast computes in bfloat16; Adam updates float32 weights.
+    assert all(p.dtype == torch.float32 for p in rounded.policy.parameters())
+
+
+def test_bf16_auto_on_the_cpu_follows_its_amx_tiles(model_dir: Path) -> None:
+    """``auto`` autocasts on a CPU only where the kernel reports AMX tiles (bf16 in hardware)."""
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        None,
+    )
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags to check against")
+    model, _ = load_policy(model_dir)
+    updater = PolicyUpdater(model, _config(optim={"bf16": "auto"}))
+    assert updater.autocast == ("amx_tile" in flags)
 
 
 def _sampled_batch(model, tokenizer, seed: int, samplings: list[SamplingParams]) -> TrainBatch:
