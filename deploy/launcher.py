@@ -6,17 +6,23 @@ log in a file, each waited for on ``/health`` with a deadline before anything de
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 STARGYM = [sys.executable, "-m", "deploy"]
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -53,19 +59,48 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
             process.wait()
 
 
-def wait_healthy(url: str, process: subprocess.Popen, deadline_s: float = 60.0) -> None:
-    """Poll ``url/health`` until it answers 200; fail at once if the process died."""
+class PortTakenError(RuntimeError):
+    """Another process holds the port a service was started on: it was free when chosen and
+    taken before the service bound it (two stacks on one machine choose ports at once)."""
+
+
+def wait_healthy(
+    url: str, process: subprocess.Popen, deadline_s: float = 60.0, launch_id: str | None = None
+) -> None:
+    """Poll ``url/health`` until it answers 200; fail at once if the process died.
+
+    ``launch_id``: the ``STARGYM_LAUNCH_ID`` the service was started with. A stargym service that
+    answers with another one is not this process but whoever took its port first: without this
+    check a stack went on with another test's rollout worker in its place, and its trainer waited
+    eight minutes for trajectories. (Servers that echo none, such as vLLM, are taken on trust.)
+    """
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {process.returncode} before it was healthy")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
+            answer = httpx.get(f"{url}/health", timeout=1.0)
         except httpx.TransportError:
-            pass
+            answer = None
+        if answer is not None and answer.status_code == 200:
+            if launch_id is not None:
+                _check_launch_id(url, answer, launch_id)
+            return
         time.sleep(0.05)
     raise TimeoutError(f"{url} was not healthy after {deadline_s:.0f} s")
+
+
+def _check_launch_id(url: str, answer: httpx.Response, launch_id: str) -> None:
+    """Raise :class:`PortTakenError` when a stargym service other than the one launched answers."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return
+    if isinstance(body, dict) and "service" in body and body.get("launch_id") != launch_id:
+        raise PortTakenError(
+            f"{url} is answered by another {body['service']} service (launch id {body.get('launch_id')}), "
+            "not the one just started: the port was taken between choosing and binding it"
+        )
 
 
 def start_service(
@@ -86,18 +121,45 @@ def start_service(
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}.log"
+    launch_id = uuid.uuid4().hex
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [*(["nice", "-n", str(niceness)] if niceness else []), *STARGYM, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), "STARGYM_LAUNCH_ID": launch_id},
             cwd=cwd,
         )
     service = ServiceProcess(name, f"http://127.0.0.1:{port}", process, log_path)
     try:
-        wait_healthy(service.url, process, health_deadline_s)
+        wait_healthy(service.url, process, health_deadline_s, launch_id=launch_id)
     except (RuntimeError, TimeoutError) as exc:
         service.stop()
-        raise RuntimeError(f"{name} failed to start: {exc}\n--- log ---\n{service.log()}") from None
+        log = service.log()
+        # uvicorn's words when its bind fails: the service lost the race before anyone answered.
+        taken = isinstance(exc, PortTakenError) or "address already in use" in log
+        error = PortTakenError if taken else RuntimeError
+        raise error(f"{name} failed to start: {exc}\n--- log ---\n{log}") from None
     return service
+
+
+def start_on_free_port(
+    name: str,
+    args_for_port: Callable[[int], list[str]],
+    choose_port: Callable[[], int],
+    log_dir: Path,
+    attempts: int = 3,
+    **options: Any,
+) -> ServiceProcess:
+    """:func:`start_service` on ``choose_port()``, choosing again when the port is taken before the
+    service binds it (:class:`PortTakenError`), at most ``attempts`` times; ``options`` go to
+    :func:`start_service`."""
+    for _ in range(attempts - 1):
+        port = choose_port()
+        try:
+            return start_service(name, args_for_port(port), port, log_dir, **options)
+        except PortTakenError as exc:
+            logger.warning("%s: port %d was taken before it could bind it; choosing another", name, port)
+            logger.debug("%s", exc)
+    port = choose_port()
+    return start_service(name, args_for_port(port), port, log_dir, **options)

@@ -28,7 +28,7 @@ import typer
 from rich.console import Console
 
 from deploy.evaluation import ENGINE_TOKEN_VAR, ENV_TOKEN_VAR
-from deploy.launcher import ServiceProcess, free_port, start_service
+from deploy.launcher import ServiceProcess, free_port, start_on_free_port
 from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
 from services.contracts import FAMILY_PORTS
@@ -132,51 +132,54 @@ def bring_up(
             if configured and not private and _healthy(configured):
                 env_urls[family] = configured
                 continue
-            port = port_for(FAMILY_PORTS.get(family, 0) or free_port())
-            server = start_service(
+            usual = FAMILY_PORTS.get(family, 0)
+            server = start_on_free_port(
                 f"env-{family}",
-                ["env", "serve", family, "--port", str(port)],
-                port,
+                lambda port, family=family: ["env", "serve", family, "--port", str(port)],
+                lambda usual=usual: port_for(usual) if usual else free_port(),
                 log_dir,
                 niceness=rollout_niceness,
             )
             started.append(server)
             env_urls[family] = server.url
         console.print(f"env servers: {', '.join(f'{k}={v}' for k, v in env_urls.items())}", highlight=False)
-        port = port_for(8210)
-        engine = start_service(
+        engine = start_on_free_port(
             "engine",
-            ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
-             "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
-            port,
+            lambda port: ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
+                          "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
+            lambda: port_for(8210),
             log_dir,
             env=engine_env(config),
             niceness=rollout_niceness,
         )  # fmt: skip
         started.append(engine)
         console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
-        port = port_for(8200)
         args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
-                "--run", config.run.name, "--concurrency", str(concurrency), "--port", str(port)]  # fmt: skip
+                "--run", config.run.name, "--concurrency", str(concurrency)]  # fmt: skip
         for family, url in env_urls.items():
             args += ["--env", f"{family}={url}"]
-        worker = start_service(
+        worker = start_on_free_port(
             "rollout",
-            args,
-            port,
+            lambda port: [*args, "--port", str(port)],
+            lambda: port_for(8200),
             log_dir,
             env={**env, **worker_tokens(os.environ), "STARGYM_ROLLOUT_POLICY_POLL_S": "1"},
             niceness=rollout_niceness,
         )
         started.append(worker)
         console.print(f"rollout worker: {worker.url}", highlight=False)
-        port = port_for(config.dashboard.port)
-        args = ["train", str(config_path), "--port", str(port), "--threads", str(trainer_threads)]
+        args = ["train", str(config_path), "--threads", str(trainer_threads)]
         for family, url in env_urls.items():  # what the dashboard probes: the servers in use
             args += ["--set", f"envs.servers.{family}={url}"]
         for item in overrides or []:
             args += ["--set", item]
-        trainer = start_service("trainer", [*args, *(trainer_args or [])], port, log_dir, env=env)
+        trainer = start_on_free_port(
+            "trainer",
+            lambda port: [*args, "--port", str(port), *(trainer_args or [])],
+            lambda: port_for(config.dashboard.port),
+            log_dir,
+            env=env,
+        )
         started.append(trainer)
         console.print(
             f"trainer: {trainer.url} (run dir {config.run_dir}, logs in {log_dir})", highlight=False

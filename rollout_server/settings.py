@@ -52,6 +52,7 @@ class WorkerSettings(ServiceSettings):
     )
     max_body_bytes: int = Field(default=ONE_MIB, gt=0, validation_alias=_shared("max_body_bytes"))
     log_level: str = Field(default="warning", validation_alias=_shared("log_level"))
+    launch_id: str | None = Field(default=None, validation_alias=_shared("launch_id"))
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices(ENV_PREFIX + "REDIS_URL", "REDIS_URL"),

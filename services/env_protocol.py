@@ -140,6 +140,7 @@ class Health(WireModel):
     status: str = "ok"
     service: str
     version: str
+    launch_id: str | None = None  # the launcher's STARGYM_LAUNCH_ID, where one started it
 
 
 # AgentGym-compatible routes: AgentGym's own field names, so its unmodified clients work.

@@ -429,7 +429,7 @@ def create_app(
         reason = unhealthy(request.app) if unhealthy is not None else None
         if reason is not None:
             return error_response(503, "unhealthy", reason)
-        return Health(service=service, version=version)
+        return Health(service=service, version=version, launch_id=settings.launch_id)
 
     @app.get("/metrics", tags=["service"], response_class=Response)
     async def metrics() -> Response:

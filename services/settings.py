@@ -39,6 +39,11 @@ class ServiceSettings(BaseSettings):
     )
     max_body_bytes: int = Field(default=ONE_MIB, gt=0, description="Larger request bodies get 413.")
     log_level: str = "warning"
+    launch_id: str | None = Field(
+        default=None,
+        description="Set by the launcher that started this process, and echoed by /health, so the "
+        "launcher knows the answer is its own service's, not another's on a port taken meanwhile.",
+    )
 
 
 class EnvServerSettings(ServiceSettings):

@@ -1,18 +1,26 @@
-"""``deploy.launcher.start_service``: a real service started below this process's CPU priority.
+"""``deploy.launcher``: real services started below this process's CPU priority, and on ports
+that another service takes first.
 
 ``stargym up`` runs the env servers, the engine and the rollout worker ``nice``-d below the trainer
 (``deploy.up.ROLLOUT_NICENESS``); the priority must hold for every thread the service makes, not
 only for the one that started it, or the engine's torch threads would compete at full weight.
+
+Two stacks on one machine (the test suite runs two) choose free ports at once, and a port can be
+taken between being chosen and being bound. The taken port is forced here (the race itself cannot
+be timed): the port is held by a real env server, and the launcher must see that the /health
+answer is not its own service's.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from deploy.launcher import free_port, start_service
+from deploy.launcher import PortTakenError, free_port, start_on_free_port, start_service
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,3 +44,49 @@ def test_a_service_and_all_its_threads_run_niceness_steps_below_the_launcher(
         assert thread_priorities(service.process.pid) == {min(19, own + niceness)}
     finally:
         service.stop()
+
+
+def test_a_service_whose_port_another_holds_fails_fast_as_port_taken(tmp_path: Path) -> None:
+    port = free_port()
+    holder = start_service("env-game", ["env", "serve", "game", "--port", str(port)], port, tmp_path)
+    try:
+        assert httpx.get(f"{holder.url}/health").json()["launch_id"]  # echoed by /health
+        started = time.monotonic()
+        with pytest.raises(PortTakenError, match="taken"):
+            start_service("env-late", ["env", "serve", "game", "--port", str(port)], port, tmp_path)
+        assert time.monotonic() - started < 30  # not the 60 s health deadline, nor a silent success
+        assert holder.process.poll() is None  # the holder is left alone
+    finally:
+        holder.stop()
+    # the late service was stopped, not left running
+    assert not any(
+        f"--port {port}"
+        in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists()
+    )
+
+
+def test_start_on_free_port_chooses_again_when_its_port_is_taken(tmp_path: Path) -> None:
+    taken = free_port()
+    holder = start_service("env-game", ["env", "serve", "game", "--port", str(taken)], taken, tmp_path)
+    chosen: list[int] = []
+
+    def choose() -> int:
+        chosen.append(taken if not chosen else free_port())
+        return chosen[-1]
+
+    try:
+        service = start_on_free_port(
+            "env-game", lambda port: ["env", "serve", "game", "--port", str(port)], choose, tmp_path
+        )
+        try:
+            assert chosen[0] == taken and service.url == f"http://127.0.0.1:{chosen[-1]}" != holder.url
+            assert (
+                httpx.get(f"{service.url}/health").json()["launch_id"]
+                != httpx.get(f"{holder.url}/health").json()["launch_id"]
+            )
+        finally:
+            service.stop()
+    finally:
+        holder.stop()
