@@ -25,6 +25,19 @@ from deploy.launcher import PortTakenError, free_port, start_on_free_port, start
 pytestmark = pytest.mark.timeout(120)
 
 
+def _commands() -> list[str]:
+    """The command line of every process (Linux); one that exits while being read is skipped."""
+    commands = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            commands.append(
+                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:  # gone between the listing and the read
+            continue
+    return commands
+
+
 def thread_priorities(pid: int) -> set[int]:
     """The nice value of every thread of ``pid`` (Linux: each thread has its own)."""
     return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
@@ -59,12 +72,7 @@ def test_a_service_whose_port_another_holds_fails_fast_as_port_taken(tmp_path: P
     finally:
         holder.stop()
     # the late service was stopped, not left running
-    assert not any(
-        f"--port {port}"
-        in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        for pid in os.listdir("/proc")
-        if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists()
-    )
+    assert not [command for command in _commands() if f"--port {port}" in command]
 
 
 def test_start_on_free_port_chooses_again_when_its_port_is_taken(tmp_path: Path) -> None:
