@@ -6,6 +6,7 @@ log in a file, each waited for on ``/health`` with a deadline before anything de
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -13,7 +14,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,3 +165,28 @@ def start_on_free_port(
             logger.debug("%s", exc)
     port = choose_port()
     return start_service(name, args_for_port(port), port, log_dir, **options)
+
+
+@contextlib.contextmanager
+def concurrent_starts(started: list[ServiceProcess]) -> Iterator[Callable[..., Future[ServiceProcess]]]:
+    """A ``start`` function that runs :func:`start_on_free_port` on a thread and returns its future,
+    so services that do not depend on one another start at the same time.
+
+    A service spends its first seconds importing (torch, transformers) and loading: ``stargym up``'s
+    four services, started one after another, were healthy after 44 s on a loaded 2-core machine,
+    the sum of their starts. Each service is appended to ``started`` once it is healthy, whether or
+    not another start failed, so the caller's cleanup stops it; leaving the block waits for every
+    start still in flight, so a failed start leaves no process behind.
+    """
+    with ThreadPoolExecutor(thread_name_prefix="start") as pool:
+
+        def keep(done: Future[ServiceProcess]) -> None:
+            if done.exception() is None:
+                started.append(done.result())
+
+        def start(name: str, *args: Any, **options: Any) -> Future[ServiceProcess]:
+            future = pool.submit(start_on_free_port, name, *args, **options)
+            future.add_done_callback(keep)
+            return future
+
+        yield start

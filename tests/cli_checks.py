@@ -86,8 +86,9 @@ def parse_stargym(args: list[str]) -> tuple[tuple[str, ...], dict[str, Any]]:
     while hasattr(command, "commands"):  # a group (typer vendors its own click)
         assert rest, f"stargym {' '.join(path)} needs a subcommand"
         name, rest = rest[0], rest[1:]
-        assert name in command.commands, f"stargym has no subcommand {' '.join([*path, name])!r}"
-        command = command.commands[name]
+        subcommand = command.get_command(None, name)  # the top level imports some commands when asked
+        assert subcommand is not None, f"stargym has no subcommand {' '.join([*path, name])!r}"
+        command = subcommand
         path.append(name)
     context = command.make_context(" ".join(["stargym", *path]), rest, resilient_parsing=False)
     return tuple(path), context.params

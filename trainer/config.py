@@ -479,6 +479,22 @@ class EvalConfig(Section):
         description="Turn limit of held-out episodes; None: the horizon schedule's last stage. Set it "
         "to compare runs with different schedules on the same episodes.",
     )
+    stop_at_success: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="End the run, as total_steps would, once an evaluation between updates (eval.every) "
+        "reaches this held-out success with no episode missing; None: never. For runs that measure the "
+        "time to a target, and for tests that need a learnt policy, not a fixed budget.",
+    )
+
+    @model_validator(mode="after")
+    def stopping_needs_rounds(self) -> Self:
+        if self.stop_at_success is not None and not self.every:
+            raise _KeyedProblems(
+                [("stop_at_success", "needs eval.every > 0: only the rounds between updates can end a run")]
+            )
+        return self
 
 
 # --- the whole run ----------------------------------------------------------------------------

@@ -21,7 +21,8 @@ One asyncio loop runs everything (issue 4, items 4, 6 and 7):
   on a stop), the held-out seeds are played (:mod:`trainer.evaluation`) while training goes on;
   each finished round's ``eval/*`` metrics are logged at the step whose policy it played, and
   appended to ``<run_dir>/eval.jsonl``. The end-of-run round is waited for (at most
-  ``rollout.group_timeout_s``) after the final checkpoint.
+  ``rollout.group_timeout_s``) after the final checkpoint. A round that reaches
+  ``eval.stop_at_success`` ends the run as ``total_steps`` would.
 
 Run as N processes (``stargym train --nproc-per-node N``, :mod:`trainer.ranks`), this service is
 rank 0: it hands each rank its share of every batch, and the other ranks run :func:`follow_leader`.
@@ -241,6 +242,7 @@ class Trainer:
         self.recorder = TrajectoryRecorder(self.run_dir)
         self._trained_share: list[Trajectory] = []
         self._stop = asyncio.Event()
+        self._target_reached = False
         self._started = time.monotonic()
         self._last_step_end: float | None = None
 
@@ -336,7 +338,9 @@ class Trainer:
                 config.optim.total_steps,
                 self.schedule.max_turns(self.step),
             )
-            while self.step < config.optim.total_steps and not self._stop.is_set():
+            while (
+                self.step < config.optim.total_steps and not self._stop.is_set() and not self._target_reached
+            ):
                 if deadline is not None and time.monotonic() >= deadline:
                     logger.info("time budget of %.1f min reached at step %d", self.max_minutes, self.step)
                     break
@@ -476,6 +480,9 @@ class Trainer:
         finished = self.controller.finished_eval()
         if finished is not None:
             self._log_eval(finished)
+            self._target_reached = self._reaches_target(finished)
+            if self._target_reached:
+                return
         every = self.config.eval.every
         if not every or self.step % every:
             return
@@ -531,6 +538,20 @@ class Trainer:
         with contextlib.suppress(asyncio.CancelledError):
             await wait
         return None
+
+    def _reaches_target(self, round_: EvalRound) -> bool:
+        """Whether a finished round, all of its episodes played, reached ``eval.stop_at_success``."""
+        target = self.config.eval.stop_at_success
+        record = round_.record()
+        if target is None or record["eval/missing"] or record.get("eval/success", 0.0) < target:
+            return False
+        logger.info(
+            "eval of step %d reached eval.stop_at_success %.3f at step %d: the run ends",
+            round_.step,
+            target,
+            self.step,
+        )
+        return True
 
     def _log_eval(self, round_: EvalRound) -> None:
         record = round_.record()

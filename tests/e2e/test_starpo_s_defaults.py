@@ -26,7 +26,7 @@ from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(25 * 60)]
 
-UPDATES = 20
+UPDATES = 5  # the deadlock was the first batch; 5 also cover the refills after each filtered batch
 
 
 def test_starpo_s_with_defaults_trains(tmp_path: Path, empty_redis_url: str) -> None:

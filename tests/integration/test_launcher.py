@@ -5,6 +5,9 @@ that another service takes first.
 (``deploy.up.ROLLOUT_NICENESS``); the priority must hold for every thread the service makes, not
 only for the one that started it, or the engine's torch threads would compete at full weight.
 
+``stargym up`` starts the services that do not depend on one another at the same time; a start
+that fails must not leave the others' processes behind.
+
 Two stacks on one machine (the test suite runs two) choose free ports at once, and a port can be
 taken between being chosen and being bound. The taken port is forced here (the race itself cannot
 be timed): the port is held by a real env server, and the launcher must see that the /health
@@ -20,7 +23,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.launcher import PortTakenError, free_port, start_on_free_port, start_service
+from deploy.launcher import (
+    PortTakenError,
+    ServiceProcess,
+    concurrent_starts,
+    free_port,
+    start_on_free_port,
+    start_service,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,3 +108,41 @@ def test_start_on_free_port_chooses_again_when_its_port_is_taken(tmp_path: Path)
             service.stop()
     finally:
         holder.stop()
+
+
+def _game_server_args(port: int) -> list[str]:
+    return ["env", "serve", "game", "--port", str(port)]
+
+
+def test_services_started_together_run_at_once_and_a_failed_start_leaves_the_rest_to_stop(
+    tmp_path: Path,
+) -> None:
+    started: list[ServiceProcess] = []
+    try:
+        with concurrent_starts(started) as start:
+            first = start("env-a", _game_server_args, free_port, tmp_path)
+            second = start("env-b", _game_server_args, free_port, tmp_path)
+            a, b = first.result(), second.result()
+        assert {a.name, b.name} == {"env-a", "env-b"} and a.url != b.url
+        assert sorted(service.name for service in started) == ["env-a", "env-b"]
+        assert all(httpx.get(f"{service.url}/health").status_code == 200 for service in started)
+    finally:
+        for service in started:
+            service.stop()
+
+    started = []
+    with pytest.raises(RuntimeError, match="env-bad failed to start"), concurrent_starts(started) as start:
+        good = start("env-good", _game_server_args, free_port, tmp_path)
+        start(
+            "env-bad",
+            lambda port: ["env", "serve", "no-such-family", "--port", str(port)],
+            free_port,
+            tmp_path,
+        ).result()
+    try:
+        # the body raised at once; leaving the block waited for the other start, which is kept to stop
+        assert good.done() and [service.name for service in started] == ["env-good"]
+        assert good.result().process.poll() is None
+    finally:
+        for service in started:
+            service.stop()

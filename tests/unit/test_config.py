@@ -216,6 +216,8 @@ def test_cross_field_problems_name_the_key(tmp_path: Path) -> None:
     assert set(problems) == {"envs.eval_seeds", "envs.mix[1].id"}
     problems = problems_of({"algorithm": {"advantage": "gae"}}, tmp_path)
     assert list(problems) == ["algorithm.critic.enabled"]
+    problems = problems_of({"eval": {"stop_at_success": 0.5, "every": 0}}, tmp_path)
+    assert list(problems) == ["eval.stop_at_success"] and "eval.every" in problems["eval.stop_at_success"]
 
 
 def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
