@@ -9,6 +9,7 @@ invalid replies; the bandit picks the risky arm in >= 75% of the episodes (chanc
 FrozenLake's budget is a cap: the trainer evaluates every 20 updates and ends the run once a round
 reaches 0.3 (``eval.stop_at_success``), which the recipe does after 2.5-4.5 minutes where its runs
 were measured (README, Performance), so the learnt policy, not the clock, usually ends the test.
+The bandit's run ends once a round picks the risky arm 90% of the time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ FROZENLAKE_STOP_AT = 0.3
 # 1.3 min, 0.82 at 2.0, 0.98 at 2.5 (the clock includes the stack's start). 3 minutes leave a CI
 # machine 1.3x slower than this one past 0.9; 4 cost the suite a minute more.
 BANDIT_MINUTES = 3.0
+BANDIT_EVAL_EVERY = 10  # the bandit's success is the risky arm's share
+BANDIT_STOP_AT = 0.9
 
 
 def run(
@@ -83,5 +86,12 @@ def test_frozenlake_learns(tmp_path: Path, empty_redis_url: str) -> None:
 
 
 def test_bandit_learns_the_risky_arm(tmp_path: Path, empty_redis_url: str) -> None:
-    report = run("configs/bandit-tiny.yaml", tmp_path, empty_redis_url, BANDIT_MINUTES, "e2e-bandit")
+    report = run(
+        "configs/bandit-tiny.yaml",
+        tmp_path,
+        empty_redis_url,
+        BANDIT_MINUTES,
+        "e2e-bandit",
+        (f"eval.every={BANDIT_EVAL_EVERY}", f"eval.stop_at_success={BANDIT_STOP_AT}"),
+    )
     assert report.after.action_share("dragon") >= 0.75, report.after.first_actions
