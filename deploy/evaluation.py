@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from deploy.launcher import ServiceProcess, free_port, start_service
+from deploy.launcher import ServiceProcess, concurrent_starts, free_port
 from services.rollout_protocol import ActionFormat, RolloutJob, SamplingParams, Trajectory
 
 WORKER_ID = "eval"
@@ -150,20 +149,25 @@ def _start_services(
         return {}
     err.print(f"starting {', '.join(wanted)} (logs in {config.log_dir})", highlight=False)
 
-    def start(name: str) -> ServiceProcess:
-        port = free_port()
-        return start_service(name, [*wanted[name], "--port", str(port)], port, config.log_dir)
-
+    processes: list[ServiceProcess] = []
+    try:
+        with concurrent_starts(processes) as start:
+            futures = {
+                name: start(
+                    name, lambda port, args=args: [*args, "--port", str(port)], free_port, config.log_dir
+                )
+                for name, args in wanted.items()
+            }
+    finally:
+        for process in processes:  # every one that started, whether or not another failed
+            stack.callback(process.stop)
     started: dict[str, ServiceProcess] = {}
     failures: list[str] = []
-    with ThreadPoolExecutor(len(wanted)) as pool:
-        futures = {name: pool.submit(start, name) for name in wanted}
-        for name, future in futures.items():
-            try:
-                started[name] = future.result()
-                stack.callback(started[name].stop)
-            except RuntimeError as exc:
-                failures.append(_short_start_error(name, str(exc)))
+    for name, future in futures.items():
+        try:
+            started[name] = future.result()
+        except RuntimeError as exc:
+            failures.append(_short_start_error(name, str(exc)))
     if failures:
         raise EvalError("; ".join(failures))
     return started
