@@ -81,15 +81,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--arm", type=arm, action="append", dest="arms", metavar="LABEL=DIR")
     parser.add_argument("--runs", type=int, default=5, help="Starts per arm.")
-    parser.add_argument(
-        "--arm",
-        type=arm,
-        action="append",
-        dest="arms",
-        metavar="LABEL=DIR",
-        help="A checkout whose launcher to measure (repeatable); default: main=this checkout.",
-    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "startup.json")
     args = parser.parse_args()
     args.arms = args.arms or [("main", REPO_ROOT)]
