@@ -114,7 +114,7 @@ def _game_server_args(port: int) -> list[str]:
     return ["env", "serve", "game", "--port", str(port)]
 
 
-def test_services_started_together_run_at_once_and_a_failed_start_leaves_the_rest_to_stop(
+def test_services_started_together_all_answer_and_a_failed_start_leaves_the_rest_to_stop(
     tmp_path: Path,
 ) -> None:
     started: list[ServiceProcess] = []
