@@ -7,8 +7,9 @@ The targets are the issue's: FrozenLake 4x4 (at most 8 turns) success >= 0.2 wit
 invalid replies; the bandit picks the risky arm in >= 75% of the episodes (chance: 50%).
 
 FrozenLake's budget is a cap: the trainer evaluates every 20 updates and ends the run once a round
-reaches 0.3 (``eval.stop_at_success``), which the recipe does after 2.5-4.5 minutes where its runs
-were measured (README, Performance), so the learnt policy, not the clock, usually ends the test.
+reaches 0.3 (``eval.stop_at_success``), which the recipe did after 2.5-6 minutes in the runs
+measured (README, Performance; 4.8 minutes in this test on a slow day), so the learnt policy, not
+the clock, usually ends the test.
 The bandit's run ends once a round picks the risky arm 90% of the time.
 """
 
