@@ -84,7 +84,7 @@ def eval_command(
     seed: Annotated[int, typer.Option(min=0, help="Episode i uses env and sampling seed seed+i.")] = 0,
     action_format: Annotated[
         str | None,
-        typer.Option(help="plain or answer_tags; default: plain, answer_tags with --openai-base-url."),
+        typer.Option(help="plain, words or answer_tags; default: plain, answer_tags with --openai-base-url."),
     ] = None,
     system_prompt: Annotated[
         str | None, typer.Option(help="With --openai-base-url: a system message before the episode.")

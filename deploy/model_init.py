@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from env_server.core import Env
+from env_server.pool import parse_options
 from env_server.registry import ENTRY_POINT_GROUP, EnvLoadError, load_env_path, load_family
 
 DEFAULT_FAMILY = "game"
@@ -61,8 +62,8 @@ def collect_env_texts(
             if options_by_env and env_id in options_by_env
             else env_class.vocabulary_options
         )
-        plays = [
-            (env_class.Options.model_validate(options), seed)
+        plays = [  # the env's own options: a run's mix may hold the host's (max_actions_per_turn)
+            (parse_options(env_class, options)[0], seed)
             for options in option_sets
             for seed in range(episodes)
         ]

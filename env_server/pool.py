@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from env_server.core import Env, EnvFailure, Observation, Step
-from services.contracts import ACTION_SEPARATOR
+from services.contracts import split_actions
 from services.errors import ApiError, conflict, not_found, too_many, validation_problems
 
 if TYPE_CHECKING:
@@ -318,28 +318,28 @@ def play_turn(env: Env, reply: str, host_options: HostOptions) -> Step:
     """Carry out one agent reply: up to ``max_actions_per_turn`` actions split on '||'.
 
     Rewards add up; the episode stops at the first action that ends it; ``info["valid"]`` is
-    False if any action was invalid, and ``info["actions_executed"]`` says how many ran.
+    False if any action was invalid, ``info["actions_executed"]`` says how many ran and
+    ``info["invalid_actions"]`` how many of those the env rejected (the worker's share of the
+    invalid penalty).
     """
     reply = _encodable(reply)
     if host_options.max_actions_per_turn == 1:
         return env.step(reply)
-    actions = [part.strip() for part in reply.split(ACTION_SEPARATOR)]
-    actions = [a for a in actions if a][: host_options.max_actions_per_turn] or [""]
+    actions = split_actions(reply, host_options.max_actions_per_turn) or [""]
     total_reward = 0.0
-    valid = True
+    invalid = 0
     step = None
     executed = 0
     for action in actions:
         executed += 1
         step = env.step(action)
         total_reward += step.reward
-        valid = valid and step.info.get("valid", True)
+        invalid += not step.info.get("valid", True)
         if step.done:
             break
     assert step is not None
-    return Step(
-        step.observation, total_reward, step.done, {**step.info, "valid": valid, "actions_executed": executed}
-    )
+    info = {**step.info, "valid": invalid == 0, "actions_executed": executed, "invalid_actions": invalid}
+    return Step(step.observation, total_reward, step.done, info)
 
 
 def _encodable(text: str) -> str:

@@ -4,6 +4,13 @@
 first action token (:func:`plain_stop_token_ids`), so a random policy emits short replies that end
 on a valid action, which is what lets it learn.
 
+``words``: the reply's words are its actions, up to ``max_actions_per_turn`` of them
+(``Left Down Down``), for envs whose actions are single words (FrozenLake, Sokoban, the bandit).
+Several actions a turn need no separator to sample, so a random policy's reply of k tokens holds
+valid moves among invalid ones, and the invalid penalty's share of them (the trainer's
+``shape_reward``) teaches it to write only moves: with ``plain`` and ``||`` a tiny policy from
+random weights sampled no valid three-action reply in 175 updates (docs/repro/rollout-shaping).
+
 ``answer_tags``: RAGEN's ``<think>…</think><answer>…</answer>``; the answer holds up to
 ``max_actions_per_turn`` actions separated by ``||``. A reply with no parsable answer gets
 :data:`FORMAT_PENALTY` and sends nothing to the env.
@@ -16,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from services.contracts import ACTION_SEPARATOR
+from services.contracts import ACTION_SEPARATOR, split_actions
 from services.rollout_protocol import ActionFormat
 
 ACTION_FORMATS: tuple[str, ...] = get_args(ActionFormat)
@@ -36,14 +43,6 @@ class ParsedReply:
     think: str | None = None
 
 
-def split_actions(answer: str, max_actions: int) -> list[str]:
-    """Non-empty ``||``-separated parts of ``answer``, stripped, at most ``max_actions`` of them."""
-    if max_actions < 1:
-        raise ValueError("max_actions must be >= 1")
-    parts = [part.strip() for part in answer.split(ACTION_SEPARATOR)]
-    return [part for part in parts if part][:max_actions]
-
-
 def parse_plain(reply: str, max_actions: int = 1) -> ParsedReply:
     """The reply is the action; with ``max_actions > 1`` it is split on ``||`` like the env host does.
 
@@ -53,6 +52,17 @@ def parse_plain(reply: str, max_actions: int = 1) -> ParsedReply:
     if max_actions == 1:
         return ParsedReply([reply.strip()], format_ok=True)
     return ParsedReply(split_actions(reply, max_actions) or [""], format_ok=True)
+
+
+def parse_words(reply: str, max_actions: int = 1) -> ParsedReply:
+    """The reply's first ``max_actions`` whitespace-separated words, each an action.
+
+    As in ``plain`` the env judges every word, and a reply with no word still goes to the env
+    (as ``""``), which reports it invalid.
+    """
+    if max_actions < 1:
+        raise ValueError("max_actions must be >= 1")
+    return ParsedReply(reply.split()[:max_actions] or [""], format_ok=True)
 
 
 def parse_answer_tags(
@@ -78,6 +88,8 @@ def parse_answer_tags(
 def parse_reply(reply: str, action_format: ActionFormat, max_actions: int = 1) -> ParsedReply:
     if action_format == "plain":
         return parse_plain(reply, max_actions)
+    if action_format == "words":
+        return parse_words(reply, max_actions)
     if action_format == "answer_tags":
         return parse_answer_tags(reply, max_actions)
     raise ValueError(f"unknown action format {action_format!r}; known: {', '.join(ACTION_FORMATS)}")
@@ -91,9 +103,12 @@ def env_action(parsed: ParsedReply) -> str | None:
 
 
 def format_instruction(action_format: ActionFormat, max_actions: int = 1) -> str:
-    """What to add to the env's instruction so the model knows the reply format ("" for plain)."""
+    """What to add to the env's instruction so the model knows the reply format ("" for plain and
+    one-action words)."""
     if action_format == "plain":
         return ""
+    if action_format == "words":
+        return f"Give up to {max_actions} actions, separated by spaces." if max_actions > 1 else ""
     many = (
         f" You may give up to {max_actions} actions, separated by {ACTION_SEPARATOR}."
         if max_actions > 1

@@ -295,6 +295,7 @@ async def play_episode(
                     reward=outcome.reward,
                     done=outcome.done,
                     valid=outcome.valid,
+                    invalid_actions=outcome.invalid_actions,
                     policy_version=backend.policy_version,
                     prompt_tokens=reply.prompt_tokens,
                     response_tokens=reply.response_tokens,
@@ -440,6 +441,7 @@ class ReplyOutcome:
     reward: float
     done: bool
     valid: bool
+    invalid_actions: int  # of the actions sent (Turn.invalid_actions)
     observation: str
     success: bool | None  # the env's verdict when it gave one, else None
 
@@ -462,7 +464,7 @@ async def play_reply(
     parsed = parse_reply(response, action_format, max_actions)
     action = env_action(parsed)
     if action is None:
-        return parsed, ReplyOutcome(parsed.penalty, False, False, observation, None)
+        return parsed, ReplyOutcome(parsed.penalty, False, False, 0, observation, None)
     clock = time.perf_counter()
     try:
         step = await envs.step(instance_id, action)
@@ -476,11 +478,15 @@ async def play_reply(
     finally:
         timings["env_s"] += time.perf_counter() - clock
     valid = bool(step.info.get("valid", True)) and parsed.format_ok
+    # The env host counts a multi-action reply's rejected actions; one action is all or nothing.
+    # Bounded by what was sent, so an env whose own info uses the key cannot void the trajectory.
+    invalid_actions = 0 if valid else min(int(step.info.get("invalid_actions", 1)), len(parsed.actions))
     success = step.info.get("success")
     return parsed, ReplyOutcome(
         parsed.penalty + step.reward,
         step.done,
         valid,
+        invalid_actions,
         step.observation,
         None if success is None else bool(success),
     )

@@ -1,7 +1,7 @@
 """Cross-service contracts that are not wire models: the one definition every service imports.
 
 * :data:`ACTION_SEPARATOR`: how one reply carries several actions (``Left || Up``); the rollout
-  worker writes it, the env host splits on it.
+  worker writes it, the env host splits on it, both with :func:`split_actions`.
 * :data:`FAMILY_PORTS` and the services' default ports (docs/architecture.md, "Names and ports").
 * :func:`parse_env_servers`: the ``family=URL[,URL…]`` lists that name env servers, as the
   worker's ``--env`` and ``STARGYM_ROLLOUT_ENV_URLS`` take them (several servers per family), and
@@ -12,6 +12,17 @@ from __future__ import annotations
 
 ACTION_SEPARATOR = "||"
 """Between the actions of one reply, when an env allows several per turn."""
+
+
+def split_actions(text: str, max_actions: int) -> list[str]:
+    """The non-empty :data:`ACTION_SEPARATOR`-separated parts of ``text``, stripped, at most
+    ``max_actions`` of them: how the env host reads a reply and the worker reads an answer, so the
+    two count the same actions."""
+    if max_actions < 1:
+        raise ValueError("max_actions must be >= 1")
+    parts = (part.strip() for part in text.split(ACTION_SEPARATOR))
+    return [part for part in parts if part][:max_actions]
+
 
 FAMILY_PORTS: dict[str, int] = {
     "game": 8101,

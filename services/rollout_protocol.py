@@ -97,7 +97,7 @@ class RunKeys:
         return key.removeprefix("stargym:").removesuffix(":workers")
 
 
-ActionFormat = Literal["plain", "answer_tags"]
+ActionFormat = Literal["plain", "words", "answer_tags"]
 JobKind = Literal["env", "agent"]
 AGENT_PULL = "pull"
 """The agent of jobs that outside harnesses take from a worker themselves (``POST /sessions``)."""
@@ -173,16 +173,42 @@ class Turn(RolloutWireModel):
     actions: list[str] = Field(
         default_factory=list,
         description="Actions parsed from the response, in the order sent to the env. 'plain' gives "
-        "one; 'answer_tags' up to max_actions_per_turn; empty when nothing parsed.",
+        "one; 'words' and 'answer_tags' up to max_actions_per_turn; empty when nothing parsed.",
     )
     reward: float = Field(description="Sum of the env rewards of this turn's actions, with penalties.")
     done: bool
     valid: bool = Field(description="False when the env rejected an action or nothing parsed.")
+    invalid_actions: int = Field(
+        default=0,
+        ge=0,
+        description="How many of 'actions' the env rejected; 0 for a valid turn, and for an invalid "
+        "one that sent no action (nothing parsed).",
+    )
     policy_version: int = Field(ge=0, description="Version of the weights this response was sampled under.")
     prompt_tokens: int = Field(
         ge=0, description="Tokens appended before the response (observation, chat template); loss mask 0."
     )
     response_tokens: int = Field(ge=0, description="Sampled tokens of this turn; loss mask 1.")
+
+    @model_validator(mode="after")
+    def _invalid_actions_counted(self) -> Self:
+        if self.invalid_actions > len(self.actions):
+            raise ValueError(
+                f"invalid_actions ({self.invalid_actions}) exceeds the turn's {len(self.actions)} actions"
+            )
+        if self.valid and self.invalid_actions:
+            raise ValueError("a valid turn has no invalid actions")
+        return self
+
+    @property
+    def invalid_share(self) -> float:
+        """The part of this turn that was invalid: 0 when valid, the share of its actions the env
+        rejected, or 1 when it sent none (nothing parsed) or the env gave no count."""
+        if self.valid:
+            return 0.0
+        if self.invalid_actions:
+            return self.invalid_actions / len(self.actions)
+        return 1.0
 
 
 class Trajectory(JobFields):

@@ -245,7 +245,9 @@ class RolloutConfig(Section):
         "corrects for the lag; counted in rollout/trained_stale).",
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per-turn sampling.")
-    action_format: ActionFormat = Field(default="plain", description="plain | answer_tags")
+    action_format: ActionFormat = Field(
+        default="plain", description="plain | words | answer_tags (rollout_server/actions.py)"
+    )
     agent: str | None = Field(
         default=None,
         pattern=AGENT_ENTRY_POINT,

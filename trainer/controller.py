@@ -778,16 +778,22 @@ def shape_reward(trajectory: Trajectory, invalid_penalty: float) -> Trajectory:
     is a *share* of the turns, not a count, so that ending an episode early (walking into a hole)
     never pays: an episode of valid moves gets 0 however long it is. Each invalid turn carries
     ``invalid_penalty / turns`` of it, so per-turn rewards still sum to the return.
+
+    A turn of several actions counts as the share of them the env rejected
+    (:attr:`Turn.invalid_share`): all-or-nothing, a random policy's three-word reply is almost
+    never wholly valid, so every reply would earn the same penalty and teach nothing.
     """
-    invalid = sum(not turn.valid for turn in trajectory.turns)
-    if invalid_penalty == 0.0 or invalid == 0:
+    if invalid_penalty == 0.0 or all(turn.valid for turn in trajectory.turns):
         return trajectory
-    share = invalid_penalty / len(trajectory.turns)
+    per_turn = invalid_penalty / len(trajectory.turns)
     turns = [
-        turn if turn.valid else turn.model_copy(update={"reward": turn.reward + share})
+        turn
+        if turn.valid
+        else turn.model_copy(update={"reward": turn.reward + per_turn * turn.invalid_share})
         for turn in trajectory.turns
     ]
-    return trajectory.model_copy(update={"turns": turns, "reward": trajectory.reward + invalid * share})
+    penalty = per_turn * sum(turn.invalid_share for turn in trajectory.turns)
+    return trajectory.model_copy(update={"turns": turns, "reward": trajectory.reward + penalty})
 
 
 def untrainable_reason(trajectory: Trajectory) -> str | None:

@@ -229,7 +229,9 @@ ROLLOUT_SHAPING = Finding(
                 (
                     *LAKE_16X8,
                     f"envs.mix=[{{id: game/frozenlake, options: {{size: 4, max_actions_per_turn: {actions}}}}}]",
-                    f"rollout.sampling.max_tokens={2 * actions - 1}",
+                    "rollout.action_format=words",
+                    f"rollout.sampling.max_tokens={actions}",
+                    "algorithm.inverse_probability_advantage=null",
                 ),
             )
             for actions in (3, 5)
@@ -240,16 +242,20 @@ ROLLOUT_SHAPING = Finding(
     expectations=(
         Expectation("states-32x4", "states-8x16", "success"),
         Expectation("actions-3", "states-16x8", "success"),
+        Expectation("actions-5", "states-16x8", "success"),
         Expectation("fresh", "reused", "success"),
     ),
     minutes=5.0,
     notes=(
-        "states-16x8 is the recipe as it was (16 x 8 at staleness 1) and the one-action-per-turn arm; several actions per turn "
-        "are separated by || in the reply (max_tokens 2k-1), and the tiny vocabulary spells || as two | tokens.",
-        "From random weights the tiny policy has to sample a valid multi-action reply by chance before "
-        "it can learn the format, and it almost never does (invalid 99-100% of turns): the actions arms "
-        "then have no learning signal and their verdicts say 'not tested'. The paper's claim needs a "
-        "policy that already writes the format (a pretrained model.path).",
+        "states-16x8 is the recipe as it was (16 x 8 at staleness 1) and the one-action-per-turn arm; "
+        "the actions-k arms reply in the words format (up to k moves separated by spaces, k tokens), "
+        "the board shown once a turn, and each turn's invalid penalty is the share of its moves the "
+        "env rejected. The recipe's 1/pi weighting of one-reply groups is off there: it is meant for "
+        "one-token replies, and over k tokens pi spans orders of magnitude, so a group's rarest "
+        "sample would take nearly all of its weight.",
+        "With RAGEN's || separator instead (2k-1 tokens) no actions arm learnt: from random weights "
+        "the tiny policy had to sample a wholly valid multi-action reply before any reply scored "
+        "better than another, and it never did (invalid 99-100% of turns in 112-175 updates).",
     ),
 )
 

@@ -273,6 +273,19 @@ def test_invalid_turns_are_penalised() -> None:
     assert shape_reward(base, -0.1) is base
 
 
+def test_a_multi_action_turn_is_penalised_for_the_share_of_its_actions_the_env_rejected() -> None:
+    job = RolloutJob(run_id="r", env="game/frozenlake", seed=1, group_id="g", max_turns=4, policy_version=0)
+    base = trajectory(job, 1.0)
+    words = {"actions": ["Left", "Jump", "Fly", "Down"], "valid": False, "done": False, "reward": 0.0}
+    partly = base.turns[0].model_copy(update={**words, "invalid_actions": 2})
+    wholly = base.turns[0].model_copy(update={**words, "invalid_actions": 4})
+    shaped = shape_reward(base.model_copy(update={"turns": [partly, base.turns[0]], "num_turns": 2}), -0.5)
+    # -0.5 / 2 turns, for half the first turn's actions: the reply with more valid moves earns more.
+    assert shaped.turns[0].reward == pytest.approx(-0.125) and shaped.reward == pytest.approx(0.875)
+    worse = shape_reward(base.model_copy(update={"turns": [wholly, base.turns[0]], "num_turns": 2}), -0.5)
+    assert worse.reward == pytest.approx(0.75) and worse.reward < shaped.reward
+
+
 @contextlib.asynccontextmanager
 async def worker_answering(conn: redis.asyncio.Redis) -> AsyncIterator[None]:
     """Play every job as a rollout worker would (reward 1 for even members) while the block runs.

@@ -572,22 +572,24 @@ def test_batched_steps_of_one_instance_apply_in_order(slow_server: RunningServer
 
 
 @pytest.mark.parametrize(
-    ("max_actions", "reply", "done", "valid", "executed", "reward"),
+    ("max_actions", "reply", "done", "valid", "executed", "invalid", "reward"),
     [
-        (2, "nonsense || Phoenix", True, False, 2, 0.15),
-        (2, "Phoenix || Dragon", True, True, 1, 0.15),  # stops when the episode ends
-        (2, "foo || bar || Phoenix", False, False, 2, 0.0),  # at most two actions
-        (3, "foo || bar || Phoenix", True, False, 3, 0.15),
-        (2, "  Phoenix  ||", True, True, 1, 0.15),
+        (2, "nonsense || Phoenix", True, False, 2, 1, 0.15),
+        (2, "Phoenix || Dragon", True, True, 1, 0, 0.15),  # stops when the episode ends
+        (2, "foo || bar || Phoenix", False, False, 2, 2, 0.0),  # at most two actions
+        (3, "foo || bar || Phoenix", True, False, 3, 2, 0.15),
+        (2, "  Phoenix  ||", True, True, 1, 0, 0.15),
     ],
 )
-def test_multi_action_turns(client, max_actions, reply, done, valid, executed, reward) -> None:
+def test_multi_action_turns(client, max_actions, reply, done, valid, executed, invalid, reward) -> None:
     instance_id = create(client, seed=2, max_actions_per_turn=max_actions)["instance_id"]
     result = client.post(f"/instances/{instance_id}/step", json={"action": reply}).json()
-    assert (result["done"], result["info"]["valid"], result["info"]["actions_executed"]) == (
+    info = result["info"]
+    assert (result["done"], info["valid"], info["actions_executed"], info["invalid_actions"]) == (
         done,
         valid,
         executed,
+        invalid,
     )
     assert result["reward"] == pytest.approx(reward)
     assert client.get(f"/instances/{instance_id}").json()["turns"] == 1

@@ -467,6 +467,42 @@ async def test_answer_tags_actions_reach_the_env(
     assert turn.valid  # Down is always a legal move (at the edge the player stays)
 
 
+async def test_words_format_counts_the_actions_the_env_rejected(
+    envs: EnvClient, tokenizer: Any, instructions: dict[str, str]
+) -> None:
+    """Each word of a reply is an action; the env host counts the invalid ones for the penalty."""
+    engine = ScriptedEngine(tokenizer, "Jump Down Fly")
+    job = make_job(FROZENLAKE, 0, max_turns=1, action_format="words", options={"max_actions_per_turn": 3})
+    trajectory = await run_episode(job, envs, engine, tokenizer, instructions[FROZENLAKE], 0)  # type: ignore[arg-type]
+    turn = trajectory.turns[0]
+    assert turn.actions == ["Jump", "Down", "Fly"] and not turn.valid
+    # Jump is rejected before Down runs; Fly only if Down did not end the episode (a hole).
+    assert turn.invalid_actions == (1 if turn.done else 2)
+    first_block = tokenizer.decode(trajectory.token_ids[: turn.prompt_tokens])
+    assert "Give up to 3 actions, separated by spaces." in first_block
+
+
+async def test_words_format_with_a_sampling_policy(
+    envs: EnvClient, engine: EngineClient, tokenizer: Any, instructions: dict[str, str]
+) -> None:
+    """A random policy's words reach the env, each judged: the count matches the moves among them."""
+    moves = {"left", "down", "right", "up"}
+    counted = 0
+    for seed in range(4):
+        job = make_job(
+            FROZENLAKE, seed, max_turns=4, action_format="words", options={"max_actions_per_turn": 3}
+        )
+        trajectory = await run_episode(job, envs, engine, tokenizer, instructions[FROZENLAKE], 0)
+        check_aligned(trajectory)
+        for turn in trajectory.turns:
+            assert turn.actions == (turn.response.split()[:3] or [""])
+            if not turn.done:  # every action ran: the env judged each
+                assert turn.invalid_actions == sum(a.strip(".'\"").lower() not in moves for a in turn.actions)
+                assert turn.valid == (turn.invalid_actions == 0)
+                counted += 1
+    assert counted
+
+
 async def test_env_errors_are_typed(envs: EnvClient, engine: EngineClient, tokenizer: Any) -> None:
     with pytest.raises(EpisodeEnvError) as caught:
         await run_episode(make_job("game/nosuchenv", 0), envs, engine, tokenizer, "x", 0)

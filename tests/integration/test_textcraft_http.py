@@ -51,7 +51,12 @@ def test_a_whole_plan_in_one_multi_action_turn(client: httpx.Client) -> None:
     response = client.post(f"/instances/{created['instance_id']}/step", json={"action": " || ".join(actions)})
     result = response.json()
     assert (result["done"], result["reward"]) == (True, 1.0), result
-    assert result["info"] == {"valid": True, "success": True, "actions_executed": len(actions)}
+    assert result["info"] == {
+        "valid": True,
+        "success": True,
+        "actions_executed": len(actions),
+        "invalid_actions": 0,
+    }
 
 
 def test_concurrent_creates_with_one_seed_give_one_task(client: httpx.Client) -> None:

@@ -1,4 +1,4 @@
-"""Action formats: plain replies, RAGEN's answer tags, splitting, penalties, plain-format stop ids."""
+"""Action formats: plain replies, words, RAGEN's answer tags, splitting, penalties, plain-format stop ids."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from rollout_server.actions import (
     parse_answer_tags,
     parse_plain,
     parse_reply,
+    parse_words,
     plain_stop_token_ids,
-    split_actions,
 )
+from services.contracts import split_actions
 
 
 def test_formats_are_the_protocols() -> None:
-    assert ACTION_FORMATS == ("plain", "answer_tags")
+    assert ACTION_FORMATS == ("plain", "words", "answer_tags")
 
 
 @pytest.mark.parametrize(
@@ -105,8 +106,31 @@ def test_split_actions_rejects_zero() -> None:
         split_actions("a", 0)
 
 
+@pytest.mark.parametrize(
+    ("reply", "limit", "actions"),
+    [
+        ("Left Down Down", 3, ["Left", "Down", "Down"]),
+        ("  Left\nUp  Dragon ", 3, ["Left", "Up", "Dragon"]),  # any whitespace; the env judges each
+        ("Left Down Down Up", 2, ["Left", "Down"]),  # at most the limit
+        ("LeftDown", 3, ["LeftDown"]),  # words, not a search for action names
+        ("", 3, [""]),  # still sent, as plain sends it: the env reports it invalid
+        ("   ", 1, [""]),
+    ],
+)
+def test_words_are_the_actions(reply: str, limit: int, actions: list[str]) -> None:
+    parsed = parse_words(reply, limit)
+    assert parsed.actions == actions and parsed.format_ok and parsed.penalty == 0.0
+    assert parse_reply(reply, "words", limit) == parsed
+    # The env host reads the same actions back from what the worker sends.
+    assert (split_actions(env_action(parsed) or "", limit) or [""]) == actions
+    with pytest.raises(ValueError):
+        parse_words(reply, 0)
+
+
 def test_format_instruction() -> None:
     assert format_instruction("plain") == ""
+    assert format_instruction("words") == ""
+    assert format_instruction("words", 3) == "Give up to 3 actions, separated by spaces."
     one = format_instruction("answer_tags")
     assert "<think>" in one and "<answer>" in one and "||" not in one
     assert "up to 3 actions" in format_instruction("answer_tags", 3) and "||" in format_instruction(

@@ -365,5 +365,6 @@ def test_play_turn_splits_multi_action_replies(reply, limit, actions, done, vali
     step = play_turn(env, reply, HostOptions(max_actions_per_turn=limit))
     assert env.actions == actions
     assert (step.done, step.info["valid"], step.info["actions_executed"]) == (done, valid, len(actions))
+    assert step.info["invalid_actions"] == sum(action != "up" for action in actions)
     assert step.reward == pytest.approx(reward)
     assert step.observation == f"at {env.value}"

@@ -145,6 +145,33 @@ def test_an_agent_job_names_a_function_or_a_harness_url(agent: str) -> None:
     assert Trajectory.model_validate(trajectory_fields(agent=agent, segments=[4])).segments == [4]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "share"),
+    [
+        ({}, 0.0),
+        ({"valid": False, "invalid_actions": 1}, 1.0),
+        ({"valid": False, "actions": ["down", "jump", "fly"], "invalid_actions": 2}, 2 / 3),
+        ({"valid": False, "actions": [], "invalid_actions": 0}, 1.0),  # nothing parsed
+        ({"valid": False}, 1.0),  # a sender that does not count (an agent's turn)
+    ],
+)
+def test_a_turns_invalid_share(overrides: dict[str, Any], share: float) -> None:
+    assert make_turn(**overrides).invalid_share == pytest.approx(share)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"valid": False, "invalid_actions": 2}, "exceeds the turn's 1 actions"),
+        ({"invalid_actions": 1}, "a valid turn has no invalid actions"),
+        ({"invalid_actions": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_a_turns_invalid_count_is_checked(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        make_turn(**overrides)
+
+
 def test_trajectory_version_is_the_oldest_turn_version() -> None:
     fields = trajectory_fields(policy_version=2)
     fields["turns"][1] = fields["turns"][1].model_copy(update={"policy_version": 2})

@@ -113,3 +113,12 @@ def test_a_runs_mix_options_choose_what_is_played() -> None:
     only = {"embodied/babyai": {"level": "BabyAI-GoToRedBall-v0"}}
     _, actions = collect_env_texts(resolve_envs(["embodied/babyai"]), EPISODES, MAX_STEPS, only)
     assert "go to red ball 1" in actions and not any("door" in action for action in actions)
+
+
+def test_a_runs_mix_may_hold_the_hosts_options() -> None:
+    """``max_actions_per_turn`` is the env host's, not the env's: a mix that sets it still makes its
+    policy (it failed with FrozenLakeOptions' "extra inputs are not permitted" before)."""
+    with_host = {"game/frozenlake": {"size": 4, "max_actions_per_turn": 3}}
+    plain = {"game/frozenlake": {"size": 4}}
+    envs = resolve_envs(["game/frozenlake"])
+    assert collect_env_texts(envs, 4, MAX_STEPS, with_host) == collect_env_texts(envs, 4, MAX_STEPS, plain)
