@@ -53,8 +53,7 @@ def dashboard_command(
     ] = None,
 ) -> None:
     """Serve the dashboard of the runs under RUNS_DIR."""
-    import uvicorn
-
+    from services.serving import run_service
     from trainer.dashboard.app import install_dashboard
     from trainer.dashboard.runs import RunsDirectory
     from trainer.dashboard.system import SystemProbe
@@ -89,7 +88,7 @@ def dashboard_command(
     install_dashboard(app, RunsDirectory(runs_dir), texts=TokenTexts(), system=system)
     shown = f"; system view: run {probe.keys.run_id!r}" if probe is not None else ""
     typer.echo(f"dashboard of {runs_dir.resolve()} at http://{settings.host}:{settings.port}/{shown}")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    run_service(app, settings)
 
 
 def newest_run(runs_dir: Path) -> str:

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import uvicorn
 
 from env_server.app import build_app
 from env_server.core import EnvFailure
 from env_server.registry import EnvLoadError, load_envs
 from services.contracts import FAMILY_PORTS
+from services.serving import run_service
 from services.settings import EnvServerSettings
 
 
@@ -82,16 +82,8 @@ def serve_command(
     except TypeError as exc:  # an env wired against what the host can do (env_server/sandbox.py)
         typer.echo(f"cannot serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,  # a log line per env step would cost more than the step
-        ws_max_size=settings.max_body_bytes,  # an OpenEnv message is bounded like a request body
-        loop="uvloop",
-        http="httptools",
-    )
+    # An OpenEnv websocket message is bounded like a request body.
+    run_service(app, settings, ws_max_size=settings.max_body_bytes)
 
 
 def main() -> None:

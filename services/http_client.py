@@ -9,8 +9,9 @@ What it owns, so that no client writes it again:
 
 * **the session**: one aiohttp connection pool (aiohttp, chosen by measurement in
   ``bench/http_clients.py``: about 0.1 ms of client CPU per request where httpx spends 1-7 ms),
-  idle connections kept under uvicorn's 5 s keep-alive so a pooled connection the server is
-  closing is never reused, and aiohttp's own silent re-send of a dropped GET/PUT/DELETE turned
+  idle connections kept under uvicorn's default 5 s keep-alive (vLLM's server keeps it; ours
+  keep :data:`services.serving.KEEP_ALIVE_S`) so a pooled connection the server is closing is
+  never reused, and aiohttp's own silent re-send of a dropped GET/PUT/DELETE turned
   off (a DELETE that did close an instance, sent again, would come back 404 for a close that
   worked);
 * **a FIFO limit** on requests in flight (``max_connections``): aiohttp's own pool limit serves
@@ -127,7 +128,7 @@ class HttpClient:
         retries: how many more times a request that could not connect is tried.
         backoff_s, max_backoff_s: :func:`backoff_delay`'s base and cap.
         max_connections: at most this many requests in flight, first come first served; 0: no limit.
-        keepalive_s: how long an idle connection stays pooled (under uvicorn's 5 s keep-alive).
+        keepalive_s: how long an idle connection stays pooled (under uvicorn's default 5 s keep-alive).
         busy_timeout_s: how long a request answered 429 keeps being retried; 0 returns the first 429.
         on_busy: called once for each 429 that is waited out (a worker counts them).
         auto_decompress: let aiohttp inflate compressed bodies (our servers send none).

@@ -60,6 +60,7 @@ from services.http_app import create_app
 from services.http_client import Backoff
 from services.queue import connect, retry_unreachable, set_policy
 from services.rollout_protocol import RunKeys, Trajectory
+from services.serving import uvicorn_config
 from services.settings import ServiceSettings
 from trainer.algorithms.echo_trap import EchoTrapDetector
 from trainer.checkpoint import CheckpointStore, LoadedCheckpoint
@@ -754,15 +755,7 @@ def serve(trainer: Trainer, settings: TrainerSettings, *, keep_serving: bool = F
         if server is not None and not (keep_serving and trainer.state != "failed"):
             server.should_exit = True
 
-    config = uvicorn.Config(
-        build_app(trainer, settings, finished),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(build_app(trainer, settings, finished), settings, lifespan="on"))
     server.run()
     if trainer.state == "failed":
         return 1

@@ -42,10 +42,6 @@ FAMILIES = {
 }
 FALLBACK_REPLIES = ["look", "search[red shoes]", "<search>capital of France</search>", "42", "[5]"]
 TIMEOUT = httpx.Timeout(120.0)
-# The reaper wait leaves the pooled connection idle for about uvicorn's 5 s keep-alive, httpx's own
-# default expiry: the next request then raced the server closing it ("Server disconnected without
-# sending a response", seen once in CI). Idle connections expire well before the server's.
-LIMITS = httpx.Limits(keepalive_expiry=2.0)
 
 
 def rss_kib(pid: int) -> int:
@@ -121,10 +117,16 @@ async def test_instances_leave_no_memory_behind(family_server: RunningServer) ->
     env_ids, share = FAMILIES[family]
     pid = family_server.process.pid
     jvms: set[int] = set()
-    async with httpx.AsyncClient(base_url=family_server.url, timeout=TIMEOUT, limits=LIMITS) as http:
-        await play(http, env_ids, max(1, int(WARMUP * share)), 0, jvms, pid)
-        warm = rss_kib(pid)
-        await play(http, env_ids, max(1, int(INSTANCES * share)), 10**6, jvms, pid)
+    async with httpx.AsyncClient(base_url=family_server.url, timeout=TIMEOUT) as http:
+        try:
+            await play(http, env_ids, max(1, int(WARMUP * share)), 0, jvms, pid)
+            warm = rss_kib(pid)
+            await play(http, env_ids, max(1, int(INSTANCES * share)), 10**6, jvms, pid)
+        except httpx.TransportError as exc:  # say whether the server died, and what it logged
+            raise AssertionError(
+                f"{family}: {exc!r} (server exit code {family_server.process.poll()}); its log ends:\n"
+                + family_server.log()[-4000:]
+            ) from exc
         grown = rss_kib(pid) / warm - 1
         print(f"{family}: RSS {warm / 1024:.0f} MiB after the warm-up, {grown:+.1%} after {INSTANCES} more")
         assert grown <= GROWTH_LIMIT, f"{family}: RSS {warm} KiB after warm-up, then {grown:+.1%}"
