@@ -74,7 +74,8 @@ def wait_healthy(
     ``launch_id``: the ``STARGYM_LAUNCH_ID`` the service was started with. A stargym service that
     answers with another one is not this process but whoever took its port first: without this
     check a stack went on with another test's rollout worker in its place, and its trainer waited
-    eight minutes for trajectories. (Servers that echo none, such as vLLM, are taken on trust.)
+    eight minutes for trajectories. (Servers that echo none, such as vLLM or a stargym release from
+    before the field, are taken on trust: ``bench/learning.py`` runs an older checkout as an arm.)
     """
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -98,7 +99,8 @@ def _check_launch_id(url: str, answer: httpx.Response, launch_id: str) -> None:
         body = answer.json()
     except ValueError:
         return
-    if isinstance(body, dict) and "service" in body and body.get("launch_id") != launch_id:
+    # a body without the field echoes none: taken as ours
+    if isinstance(body, dict) and "service" in body and body.get("launch_id", launch_id) != launch_id:
         raise PortTakenError(
             f"{url} is answered by another {body['service']} service (launch id {body.get('launch_id')}), "
             "not the one just started: the port was taken between choosing and binding it"

@@ -16,7 +16,10 @@ answer is not its own service's.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from deploy.launcher import (
     free_port,
     start_on_free_port,
     start_service,
+    wait_healthy,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,6 +87,35 @@ def test_a_service_whose_port_another_holds_fails_fast_as_port_taken(tmp_path: P
         holder.stop()
     # the late service was stopped, not left running
     assert not [command for command in _commands() if f"--port {port}" in command]
+
+
+@pytest.mark.parametrize(
+    ("health", "ours"),
+    [
+        ({"service": "env server (game)", "version": "0.1.0"}, True),  # from before the field
+        ({"service": "env server (game)", "version": "0.1.0", "launch_id": None}, False),  # not ours
+    ],
+    ids=["no-launch-id-field", "another-launch"],
+)
+def test_a_server_that_echoes_no_launch_id_is_taken_on_trust(
+    tmp_path: Path, health: dict, ours: bool
+) -> None:
+    """``bench/learning.py`` runs an older checkout as an arm: its servers answer /health without
+    the field, and must not be taken for another launch's."""
+    (tmp_path / "health").write_text(json.dumps(health))
+    port = free_port()
+    serve_files = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    server = subprocess.Popen([*serve_files, "--directory", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        if ours:
+            wait_healthy(url, server, deadline_s=30, launch_id="this-launch")
+        else:
+            with pytest.raises(PortTakenError, match="launch id None"):
+                wait_healthy(url, server, deadline_s=30, launch_id="this-launch")
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_start_on_free_port_chooses_again_when_its_port_is_taken(tmp_path: Path) -> None:
