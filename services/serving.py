@@ -27,39 +27,36 @@ def settings_from_flags(settings_class: type[S], flags: dict[str, Any]) -> S:
 
 
 # How long an idle keep-alive connection stays open on the server. uvicorn's default, 5 s, is
-# what httpx (and so the openai package) pools an idle connection for, and only 1 s above our
-# own client's 4 s: a request sent on a pooled connection just before the server's timer fired was
-# dropped unanswered ("Server disconnected", httpx.ReadError) whenever the server's event loop
-# stalled for a few seconds on a loaded machine (twice in CI on 2 cores), and a step or completion
-# that is dropped cannot be re-sent. nginx's default; an idle connection costs a file descriptor.
+# exactly how long httpx (and so the openai package) pools an idle connection, and 1 s above our
+# own client's 4 s: a request sent on a pooled connection as the server's timer fired was dropped
+# unanswered (CI's leak test: "Server disconnected without sending a response" after a 5 s idle),
+# and a step or completion that was dropped cannot be re-sent. A stall of either side on a loaded
+# machine widens that window. 75 s is nginx's default; an idle connection costs a file descriptor.
 KEEP_ALIVE_S = 75
 
 
-def uvicorn_config(app: Any, settings: Any, **options: Any) -> Any:
-    """The ``uvicorn.Config`` every service runs under, ``options`` (uvicorn's own) on top.
+def uvicorn_options(settings: Any) -> dict[str, Any]:
+    """The uvicorn settings every service runs under, from its settings' ``host``/``port``/``log_level``.
 
     uvloop and httptools (measured faster than asyncio and h11 for our small JSON requests), no
     access log (a line per request costs more than the request), and :data:`KEEP_ALIVE_S`.
+    """
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": False,
+        "loop": "uvloop",
+        "http": "httptools",
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+
+
+def run_service(app: Any, settings: Any, **options: Any) -> None:
+    """Serve ``app`` with :func:`uvicorn_options` (``options``, uvicorn's own, on top) until stopped.
+
     uvicorn loads here, not at import: every ``stargym`` command imports the serve modules.
     """
     import uvicorn
 
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        timeout_keep_alive=KEEP_ALIVE_S,
-        **options,
-    )
-
-
-def run_service(app: Any, settings: Any, **options: Any) -> None:
-    """Serve ``app`` on the settings' ``host``/``port`` at their ``log_level`` until stopped
-    (:func:`uvicorn_config`, ``options`` on top)."""
-    import uvicorn
-
-    uvicorn.Server(uvicorn_config(app, settings, **options)).run()
+    uvicorn.run(app, **uvicorn_options(settings), **options)

@@ -60,7 +60,7 @@ from services.http_app import create_app
 from services.http_client import Backoff
 from services.queue import connect, retry_unreachable, set_policy
 from services.rollout_protocol import RunKeys, Trajectory
-from services.serving import uvicorn_config
+from services.serving import uvicorn_options
 from services.settings import ServiceSettings
 from trainer.algorithms.echo_trap import EchoTrapDetector
 from trainer.checkpoint import CheckpointStore, LoadedCheckpoint
@@ -755,7 +755,8 @@ def serve(trainer: Trainer, settings: TrainerSettings, *, keep_serving: bool = F
         if server is not None and not (keep_serving and trainer.state != "failed"):
             server.should_exit = True
 
-    server = uvicorn.Server(uvicorn_config(build_app(trainer, settings, finished), settings, lifespan="on"))
+    app = build_app(trainer, settings, finished)
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", **uvicorn_options(settings)))
     server.run()
     if trainer.state == "failed":
         return 1
