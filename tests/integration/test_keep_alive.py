@@ -2,9 +2,10 @@
 (``services.serving.KEEP_ALIVE_S``).
 
 httpx, and so the openai package, reuses a connection idle for up to 5 s; our own client up to
-4 s. At uvicorn's default keep-alive, 5 s, the server closed such a connection just as a request
-was sent on it whenever either side stalled for a moment: the request was dropped unanswered
-(``httpx.ReadError``, in CI on a loaded 2-core machine), and a step or completion cannot be re-sent.
+4 s. At uvicorn's default keep-alive, 5 s, the server could close such a connection just as a
+request was sent on it, more so when either side stalled on a loaded machine: the request was
+dropped unanswered (CI's leak test: "Server disconnected without sending a response" after a 5 s
+idle), and a step or completion cannot be re-sent.
 """
 
 from __future__ import annotations
