@@ -101,6 +101,7 @@ def evaluate(config: TrainConfig, model_dir: Path, out_dir: Path) -> EvalSummary
         out=out,
         model=model_dir.resolve(),
         action_format=config.rollout.action_format,
+        history_turns=config.rollout.history_turns,
         options={env.id: env.held_out_options for env in config.envs.mix if env.held_out_options},
     )
     results = run_eval(eval_config, Console(stderr=True, quiet=True))

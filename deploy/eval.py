@@ -86,6 +86,14 @@ def eval_command(
         str | None,
         typer.Option(help="plain, words or answer_tags; default: plain, answer_tags with --openai-base-url."),
     ] = None,
+    history_turns: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Earlier turns each prompt keeps (as the policy was trained with rollout.history_turns); "
+            "0: the instruction and the current observation only. Default: the whole episode.",
+        ),
+    ] = None,
     system_prompt: Annotated[
         str | None, typer.Option(help="With --openai-base-url: a system message before the episode.")
     ] = None,
@@ -118,6 +126,7 @@ def eval_command(
             sampling={"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens},
             seed=seed,
             action_format=action_format,
+            history_turns=history_turns,
             system_prompt=system_prompt,
             out=out,
             options=options,
@@ -159,6 +168,7 @@ def build_config(
     system_prompt: str | None,
     out: Path | None,
     options: str | None = None,
+    history_turns: int | None = None,
 ) -> EvalPlan:
     """Check the flags (nothing is started or contacted here); :class:`EvalError` says what is wrong."""
     from rollout_server.actions import ACTION_FORMATS
@@ -205,6 +215,7 @@ def build_config(
         out=out,
         env_urls=env_urls,
         action_format=cast(ActionFormat | None, action_format),
+        history_turns=history_turns,
         system_prompt=system_prompt,
         engine_max_num_seqs=max(64, concurrency),
         options=env_options,

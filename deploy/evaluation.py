@@ -67,6 +67,7 @@ class EvalPlan:
     openai_model: str | None = None
     api_key: str | None = None
     action_format: ActionFormat | None = None
+    history_turns: int | None = None
     system_prompt: str | None = None
     engine_max_num_seqs: int = 64
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # env id -> its episodes' options
@@ -226,6 +227,7 @@ def make_jobs(config: EvalPlan, max_turns: dict[str, int], run_id: str) -> list[
             sampling=config.sampling.model_copy(update={"seed": config.seed + index}),
             policy_version=0,
             action_format=config.action_format or ("answer_tags" if config.openai_base_url else "plain"),
+            history_turns=config.history_turns,
             options=config.options.get(env),
         )
         for index in range(config.episodes)

@@ -11,7 +11,10 @@ policies is an :class:`EpisodeBackend`:
   exactly the token ids the engine sampled (loss mask 1, with the engine's behaviour log-probs);
   each next observation as only the template's text *after* the conversation so far (closing
   the assistant turn if the reply did not end with the end-of-turn token, the new user message,
-  the generation prompt), tokenised alone (loss mask 0, log-prob 0.0).
+  the generation prompt), tokenised alone (loss mask 0, log-prob 0.0). With the job's
+  ``history_turns`` a prompt keeps only that many earlier turns: past the window each turn's
+  prompt is rebuilt from the kept turns (the instruction before the oldest kept observation, the
+  kept replies as the ids they were sampled as) and starts a new sequence (``segments``).
 * the chat messages of a hosted model (:mod:`rollout_server.openai_chat`, evaluation).
 
 An episode ends with ``truncated=True`` when ``max_turns`` is reached before the env finished,
@@ -189,25 +192,43 @@ class EpisodeBackend(Protocol):
     """The weights every turn is tagged with."""
 
     async def start(
-        self, content: str, action_format: ActionFormat, max_actions: int, available_actions: AvailableActions
+        self,
+        instruction: str,
+        observation: str,
+        action_format: ActionFormat,
+        max_actions: int,
+        available_actions: AvailableActions,
     ) -> bool:
-        """Begin the context with the first user message; False when not even one reply fits."""
+        """Begin the context with the first user message (:func:`first_message`); False when not
+        even one reply fits."""
         ...
 
     async def reply(self, sampling: SamplingParams, seed: int | None) -> Reply:
         """The policy's next reply (EngineContextLengthError: the context is full)."""
         ...
 
-    def observe(self, observation: str) -> bool:
+    def observe(self, observation: str, *, last: bool) -> bool:
         """Append the next observation after the last reply; False when no reply fits after it.
 
-        It is appended either way: a truncated episode ends in the state it was cut in.
+        It is appended either way: a truncated episode ends in the state it was cut in. ``last``:
+        no reply will follow (``max_turns`` is reached), so the observation is only that state.
         """
         ...
 
     def trajectory_fields(self) -> dict[str, Any]:
         """What the trajectory records of the context (token fields, or ``text_only``)."""
         ...
+
+
+def first_message(instruction: str, observation: str) -> str:
+    """The first user message of a prompt: the instruction, then the observation."""
+    return f"{instruction}{INSTRUCTION_SEPARATOR}{observation}" if instruction else observation
+
+
+def first_kept_turn(completed_turns: int, history_turns: int | None) -> int:
+    """The oldest turn a prompt keeps once ``completed_turns`` turns were played (``history_turns``
+    earlier turns before the current observation; None keeps them all)."""
+    return 0 if history_turns is None else max(0, completed_turns - history_turns)
 
 
 async def play_episode(
@@ -262,8 +283,9 @@ async def play_episode(
     success = False
     observation = created.observation
     try:
-        content = f"{instruction}{INSTRUCTION_SEPARATOR}{observation}" if instruction else observation
-        truncated = not await backend.start(content, action_format, max_actions, available_actions)
+        truncated = not await backend.start(
+            instruction, observation, action_format, max_actions, available_actions
+        )
         for turn_index in range(0 if truncated else job.max_turns):
             seed = None if job.sampling.seed is None else job.sampling.seed + turn_index
             clock = time.perf_counter()
@@ -304,8 +326,9 @@ async def play_episode(
             if outcome.done:
                 break
             observation = outcome.observation
-            room = backend.observe(observation)
-            if not room or turn_index == job.max_turns - 1:
+            last = turn_index == job.max_turns - 1
+            room = backend.observe(observation, last=last)
+            if not room or last:
                 truncated = True  # the context is full, or max_turns came before the env finished
                 break
     finally:
@@ -333,9 +356,11 @@ async def play_episode(
 
 @dataclass
 class TokenContext:
-    """The backend of a trainable engine: the episode as one growing list of token ids.
+    """The backend of a trainable engine: the episode as token ids, one growing sequence or, past a
+    ``history_turns`` window, one sequence per turn.
 
-    ``token_ids``, ``loss_mask`` and ``logprobs`` stay aligned (see the module docstring).
+    ``token_ids``, ``loss_mask`` and ``logprobs`` stay aligned (see the module docstring); the
+    engine is sent the current sequence only, ``token_ids[segments[-1]:]``.
     """
 
     engine: EngineClient
@@ -345,18 +370,30 @@ class TokenContext:
     """The context limit in tokens (prompt and replies); None: only the engine's."""
     stop_token_ids: Sequence[int] | None = None
     """For the plain format; None computes them from the env's available actions."""
+    history_turns: int | None = None
+    """Earlier turns each prompt keeps (:attr:`~services.rollout_protocol.JobFields.history_turns`)."""
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)
     _stops: list[int] = field(default_factory=list)
     _pending_prompt: int = 0
-    _last_reply: list[int] = field(default_factory=list)
+    _instruction: str = ""
+    _observations: list[str] = field(default_factory=list)
+    _replies: list[list[int]] = field(default_factory=list)
+    _sequence_turn: int = 0
+    """The turn whose observation the current sequence's first message holds."""
 
     def __post_init__(self) -> None:
         self.chat = chat_format(self.tokenizer)
 
     async def start(
-        self, content: str, action_format: ActionFormat, max_actions: int, available_actions: AvailableActions
+        self,
+        instruction: str,
+        observation: str,
+        action_format: ActionFormat,
+        max_actions: int,
+        available_actions: AvailableActions,
     ) -> bool:
         if action_format == "plain" and max_actions == 1:
             # Stopping at a whole action: several actions per reply must not stop at the first.
@@ -364,21 +401,23 @@ class TokenContext:
                 self._stops = plain_stop_token_ids(self.tokenizer, await available_actions())
             else:
                 self._stops = list(self.stop_token_ids)
-        prompt = self.chat.first_prompt(content)
-        self._add_prompt(prompt)
-        return self.max_model_len is None or len(prompt) < self.max_model_len
+        self._instruction = instruction
+        self._observations.append(observation)
+        self._add_prompt(self.chat.first_prompt(first_message(instruction, observation)))
+        return self._has_room()
 
     async def reply(self, sampling: SamplingParams, seed: int | None) -> Reply:
+        context = self.token_ids[self._sequence_start :]
         max_tokens = sampling.max_tokens
         if self.max_model_len is not None:
-            max_tokens = min(max_tokens, self.max_model_len - len(self.token_ids))
+            max_tokens = min(max_tokens, self.max_model_len - len(context))
         completion = await self.engine.complete(
-            self.token_ids, sampling, self._stops, max_tokens=max_tokens, seed=seed
+            context, sampling, self._stops, max_tokens=max_tokens, seed=seed
         )
         self.token_ids += completion.token_ids
         self.loss_mask += [1] * len(completion.token_ids)
         self.logprobs += completion.logprobs
-        self._last_reply = completion.token_ids
+        self._replies.append(list(completion.token_ids))
         return Reply(
             text=self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
             prompt_tokens=self._pending_prompt,
@@ -386,12 +425,44 @@ class TokenContext:
             busy_wait_s=completion.busy_wait_s,
         )
 
-    def observe(self, observation: str) -> bool:
-        self._add_prompt(self.chat.next_user(self._last_reply, observation))
-        return self.max_model_len is None or len(self.token_ids) < self.max_model_len
+    def observe(self, observation: str, *, last: bool) -> bool:
+        self._observations.append(observation)
+        first = first_kept_turn(len(self._replies), self.history_turns)
+        if first != self._sequence_turn and not last:
+            prompt = self._window_prompt(first)
+            if self.max_model_len is None or len(prompt) < self.max_model_len:
+                self.segments.append(len(self.token_ids))
+                self._sequence_turn = first
+                self._add_prompt(prompt)
+                return True
+        # The window still holds the whole sequence, or no reply follows (or fits) a new one: the
+        # state the episode ends in goes after the last reply, which keeps every sequence trainable.
+        self._add_prompt(self.chat.next_user(self._replies[-1], observation))
+        return self._has_room()
 
     def trajectory_fields(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs}
+        return {
+            "token_ids": self.token_ids,
+            "loss_mask": self.loss_mask,
+            "logprobs": self.logprobs,
+            "segments": self.segments,
+        }
+
+    @property
+    def _sequence_start(self) -> int:
+        return self.segments[-1] if self.segments else 0
+
+    def _has_room(self) -> bool:
+        return self.max_model_len is None or len(self.token_ids) - self._sequence_start < self.max_model_len
+
+    def _window_prompt(self, first: int) -> list[int]:
+        """The prompt of turns ``first``.. as one new sequence: the kept replies as the ids they were
+        sampled as (never re-tokenised text), each followed by the observation that answered it."""
+        ids = self.chat.first_prompt(first_message(self._instruction, self._observations[first]))
+        for reply, observation in zip(self._replies[first:], self._observations[first + 1 :], strict=True):
+            ids += reply
+            ids += self.chat.next_user(reply, observation)
+        return ids
 
     def _add_prompt(self, ids: Sequence[int]) -> None:
         self.token_ids += ids
@@ -423,7 +494,9 @@ async def run_episode(
         stop_token_ids: for the plain format; None computes them from the env's available actions
             (single-action turns only: several actions per reply must not stop at the first).
     """
-    backend = TokenContext(engine, tokenizer, policy_version, max_model_len, stop_token_ids)
+    backend = TokenContext(
+        engine, tokenizer, policy_version, max_model_len, stop_token_ids, job.history_turns
+    )
     return await play_episode(
         job,
         envs,

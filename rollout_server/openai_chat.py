@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import openai
 
-from rollout_server.episode import AvailableActions, Reply, play_episode
+from rollout_server.episode import AvailableActions, Reply, first_kept_turn, first_message, play_episode
 from services.engine_client import (
     EngineConnectionError,
     EngineProtocolError,
@@ -228,28 +228,48 @@ class OpenAIChatClient:
 @dataclass
 class ChatMessages:
     """The :class:`~rollout_server.episode.EpisodeBackend` of a hosted chat model: the episode as
-    chat messages; the trajectory is text only."""
+    chat messages (the kept ``history_turns`` window of them); the trajectory is text only."""
 
     client: OpenAIChatClient
     policy_version: int = 0
     system_prompt: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    history_turns: int | None = None
+    """Earlier turns each request keeps (:attr:`~services.rollout_protocol.JobFields.history_turns`)."""
+    _instruction: str = ""
+    _observations: list[str] = field(default_factory=list)
+    _replies: list[str] = field(default_factory=list)
 
     async def start(
-        self, content: str, action_format: ActionFormat, max_actions: int, available_actions: AvailableActions
+        self,
+        instruction: str,
+        observation: str,
+        action_format: ActionFormat,
+        max_actions: int,
+        available_actions: AvailableActions,
     ) -> bool:
-        if self.system_prompt:
-            self.messages.append({"role": "system", "content": self.system_prompt})
-        self.messages.append({"role": "user", "content": content})
+        self._instruction = instruction
+        self._observations.append(observation)
         return True  # only the endpoint knows its context: a refusal ends the episode truncated
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """What the next request sends: the system prompt, then the kept turns and the observation."""
+        first = first_kept_turn(len(self._replies), self.history_turns)
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append(
+            {"role": "user", "content": first_message(self._instruction, self._observations[first])}
+        )
+        for reply, observation in zip(self._replies[first:], self._observations[first + 1 :], strict=True):
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+        return messages
 
     async def reply(self, sampling: SamplingParams, seed: int | None) -> Reply:
         answer = await self.client.chat(self.messages, sampling, seed=seed)
-        self.messages.append({"role": "assistant", "content": answer.content})
+        self._replies.append(answer.content)
         return Reply(answer.content, answer.prompt_tokens, answer.completion_tokens)
 
-    def observe(self, observation: str) -> bool:
-        self.messages.append({"role": "user", "content": observation})
+    def observe(self, observation: str, *, last: bool) -> bool:
+        self._observations.append(observation)
         return True
 
     def trajectory_fields(self) -> dict[str, Any]:
@@ -273,7 +293,7 @@ async def run_chat_episode(
     always closed, env failures as :class:`~rollout_server.episode.EpisodeEnvError`), kept as
     chat messages instead of token ids. A context-length refusal ends the episode truncated.
     """
-    backend = ChatMessages(client, job.policy_version, system_prompt)
+    backend = ChatMessages(client, job.policy_version, system_prompt, job.history_turns)
     return await play_episode(
         job,
         envs,

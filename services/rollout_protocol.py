@@ -138,6 +138,14 @@ class JobFields(RolloutWireModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     policy_version: int = Field(ge=0)
     action_format: ActionFormat | None = Field(default=None, description="None: the env's own action format.")
+    history_turns: int | None = Field(
+        default=None,
+        ge=0,
+        description="The worker's own loop: how many earlier turns (observation and reply) each prompt "
+        "keeps before the current observation; the instruction always leads the oldest kept one. None: "
+        "the whole episode (one growing sequence). Past the window every turn's prompt is a new sequence "
+        "(Trajectory.segments); 0 is a prompt of the instruction and the current observation alone.",
+    )
     options: dict[str, Any] | None = Field(default=None, description="Env options passed at create.")
     created_at: float = Field(default_factory=time.time, description="Unix time the job was issued.")
     agent: str | None = Field(
@@ -155,6 +163,12 @@ class JobFields(RolloutWireModel):
     def kind(self) -> JobKind:
         """``agent`` when the user's agent plays the episode, ``env`` when the worker's own loop does."""
         return "env" if self.agent is None else "agent"
+
+    @model_validator(mode="after")
+    def _history_is_the_loops(self) -> Self:
+        if self.agent is not None and self.history_turns is not None:
+            raise ValueError("history_turns shapes the worker's own loop; an agent keeps its own history")
+        return self
 
 
 class RolloutJob(JobFields):
@@ -259,10 +273,11 @@ class Trajectory(JobFields):
     )
     segments: list[int] = Field(
         default_factory=list,
-        description="Agent episodes: the token index where each sequence after the first starts. An "
-        "agent that rewrote its history (dropped or summarised turns) sent a prompt that does not "
-        "extend the tokens so far; from there the tokens are a new sequence (its whole prompt, mask "
-        "0, then its replies), which the trainer trains as a row of its own. Empty: one sequence.",
+        description="The token index where each sequence after the first starts. An agent that "
+        "rewrote its history (dropped or summarised turns), or the worker's loop past its "
+        "history_turns window, sent a prompt that does not extend the tokens so far; from there the "
+        "tokens are a new sequence (its whole prompt, mask 0, then its replies), which the trainer "
+        "trains as a row of its own. Empty: one sequence.",
     )
     text_only: bool = Field(
         default=False,

@@ -248,6 +248,13 @@ class RolloutConfig(Section):
     action_format: ActionFormat = Field(
         default="plain", description="plain | words | answer_tags (rollout_server/actions.py)"
     )
+    history_turns: int | None = Field(
+        default=None,
+        ge=0,
+        description="Earlier turns (observation and reply) each prompt keeps, in training and held-out "
+        "evaluation alike; 0: the instruction and the current observation only (a Markov prompt). "
+        "Past the window each turn is trained as a sequence of its own. None: the whole episode.",
+    )
     agent: str | None = Field(
         default=None,
         pattern=AGENT_ENTRY_POINT,
@@ -267,6 +274,19 @@ class RolloutConfig(Section):
     @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_batch
+
+    @model_validator(mode="after")
+    def history_is_the_loops(self) -> Self:
+        if self.agent is not None and self.history_turns is not None:
+            raise _KeyedProblems(
+                [
+                    (
+                        "history_turns",
+                        "shapes the worker's own loop; with rollout.agent your agent keeps its history",
+                    )
+                ]
+            )
+        return self
 
 
 class CriticConfig(Section):

@@ -357,6 +357,7 @@ class Controller:
                 sampling=rollout.sampling.model_copy(update={"seed": base + member}),
                 policy_version=self.policy_version,
                 action_format=rollout.action_format,
+                history_turns=rollout.history_turns,
                 options=env.options,
                 agent=rollout.agent,
             )

@@ -77,6 +77,7 @@ def make_eval_jobs(
             sampling=sampling.model_copy(update={"seed": seeds.start + index}),
             policy_version=version,
             action_format=config.rollout.action_format,
+            history_turns=config.rollout.history_turns,
             options=env.held_out_options,
             agent=config.rollout.agent,
         )

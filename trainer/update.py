@@ -280,7 +280,7 @@ class PolicyUpdater:
             advantages = masked_whiten(advantages, mask, sum_over_ranks=self.parallelism.all_reduce)
         unweighted = advantages
         if self.algo.share_duplicate_advantage:
-            shares = duplicate_shares(batch.input_ids, batch.attention_mask, batch.group_ids)
+            shares = duplicate_shares(batch.input_ids, batch.attention_mask, batch.group_ids, batch.job_ids)
             advantages = advantages * shares.unsqueeze(1)
         if self.algo.inverse_probability_advantage is not None:
             weighted, applies = inverse_probability_advantages(

@@ -245,6 +245,52 @@ async def test_frozenlake_episodes(
     assert multi_turn, "a random policy should not finish every episode in one turn"
 
 
+@pytest.mark.parametrize("history_turns", [0, 1])
+async def test_history_window_sends_each_turn_its_window_as_a_sequence(
+    envs: EnvClient,
+    engine: EngineClient,
+    tokenizer: Any,
+    reference_model: Any,
+    instructions: dict[str, str],
+    history_turns: int,
+) -> None:
+    """Past ``history_turns`` every turn's prompt is a new sequence (``segments``): the instruction
+    before the oldest kept observation, the kept turns, the current observation. The engine saw
+    exactly that sequence: a fresh forward pass over it alone gives the behaviour log-probs."""
+    instruction = instructions[FROZENLAKE]
+    windowed = 0
+    for seed in range(8):
+        job = make_job(FROZENLAKE, seed, max_turns=6, history_turns=history_turns)
+        trajectory = await run_episode(job, envs, engine, tokenizer, instruction, 3, max_model_len=2048)
+        check_aligned(trajectory)
+        check_sampled_text(trajectory, tokenizer)
+        turns = trajectory.turns
+        starts = list(itertools.accumulate([0] + [t.prompt_tokens + t.response_tokens for t in turns]))
+        assert trajectory.segments == [starts[t] for t in range(history_turns + 1, len(turns))]
+        bounds = [0, *trajectory.segments, len(trajectory.token_ids)]
+        for start, end in itertools.pairwise(bounds):
+            sequence = trajectory.model_copy(
+                update={
+                    "token_ids": trajectory.token_ids[start:end],
+                    "loss_mask": trajectory.loss_mask[start:end],
+                    "logprobs": trajectory.logprobs[start:end],
+                }
+            )
+            check_logprobs(sequence, reference_model)
+        for index in range(history_turns + 1, len(turns)):
+            prompt = tokenizer.decode(
+                trajectory.token_ids[starts[index] : starts[index] + turns[index].prompt_tokens]
+            )
+            oldest = spelled(tokenizer, turns[index - history_turns].observation)
+            assert prompt.startswith(f"{IM_START}user\n{instruction}\n\n{oldest}{IM_END}\n")
+            current = spelled(tokenizer, turns[index].observation)
+            assert prompt.endswith(f"\n{current}{IM_END}\n{IM_START}assistant\n")
+            assert prompt.count(f"{IM_START}user") == history_turns + 1
+        windowed += len(turns) > history_turns + 1
+        assert Trajectory.model_validate_json(trajectory.model_dump_json()) == trajectory
+    assert windowed, "a random policy should outlast the window in some of 8 episodes"
+
+
 async def test_plain_format_stops_at_the_first_action_token(
     envs: EnvClient, engine: EngineClient, tokenizer: Any, instructions: dict[str, str]
 ) -> None:

@@ -224,6 +224,35 @@ async def test_openai_engine_plays_text_only_episodes(
     assert {instance.instance_id for instance in (await envs.list_instances()).instances} <= before
 
 
+async def test_openai_engine_keeps_the_history_window(
+    envs: EnvClient, chat: OpenAIChatClient, tokenizer: Any
+) -> None:
+    """With ``history_turns=1`` a request holds the instruction before the previous observation,
+    the previous reply and the current observation: the endpoint's prompt count says so."""
+    instruction = {spec.id: spec.instruction for spec in await envs.list_envs()}[FROZENLAKE]
+    windowed = 0
+    for seed in range(8):
+        trajectory = await run_chat_episode(
+            make_job(FROZENLAKE, seed, max_turns=5, history_turns=1, action_format="plain"),
+            envs,
+            chat,
+            instruction,
+        )
+        turns = trajectory.turns
+        for index, turn in enumerate(turns):
+            kept = max(0, index - 1)
+            messages = [{"role": "user", "content": f"{instruction}\n\n{turns[kept].observation}"}]
+            for earlier in range(kept, index):
+                messages += [
+                    {"role": "assistant", "content": turns[earlier].response},
+                    {"role": "user", "content": turns[earlier + 1].observation},
+                ]
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert turn.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+        windowed += len(turns) >= 3
+    assert windowed, "a random policy should play three turns in some of 8 episodes"
+
+
 async def test_openai_engine_truncates_at_the_context_limit(envs: EnvClient, chat: OpenAIChatClient) -> None:
     job = make_job(BANDIT, 1, sampling=SamplingParams(max_tokens=4096))
     with pytest.raises(EngineContextLengthError):

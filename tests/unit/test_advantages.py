@@ -317,6 +317,21 @@ def test_identical_episodes_of_a_group_split_one_share() -> None:
     )
 
 
+def test_episodes_of_several_sequences_are_compared_whole() -> None:
+    """Episodes 1 and 3 are the same two sequences; episode 2 shares their first and parts after
+    it, as episodes played under a history window share their first turn's sequence."""
+    a, b, c = [5, 6, 7], [5, 6, 8], [5, 6, 9]
+    rows = [a, b, a, c, a, b]
+    input_ids = torch.tensor(rows)
+    attention_mask = torch.ones_like(input_ids)
+    group_ids = ["g", LaterSegment("g")] * 3
+    episodes = ["e1", "e1", "e2", "e2", "e3", "e3"]
+    shares = duplicate_shares(input_ids, attention_mask, group_ids, episodes)
+    assert shares.tolist() == pytest.approx([1 / 2, 1 / 2, 1.0, 1.0, 1 / 2, 1 / 2])
+    # Row by row, the shared first sequence would have been split three ways.
+    assert duplicate_shares(input_ids, attention_mask, group_ids).tolist()[0] == pytest.approx(1 / 3)
+
+
 def test_reply_count_counts_runs_of_trainable_tokens() -> None:
     mask = torch.cat([TWO_TURN_MASK, torch.tensor([[0, 1, 1, 1, 0, 0, 0, 0, 0], [0] * 9])])
     assert reply_count(mask).tolist() == [2, 1, 0]

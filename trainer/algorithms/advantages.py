@@ -13,6 +13,7 @@ Conventions (shared by every function here and in :mod:`trainer.algorithms.losse
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
@@ -47,31 +48,40 @@ def _episode_weights(group_ids: GroupIds, like: torch.Tensor) -> torch.Tensor:
 
 
 def duplicate_shares(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, group_ids: GroupIds
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    group_ids: GroupIds,
+    episode_ids: Sequence[Hashable] | None = None,
 ) -> torch.Tensor:
-    """``[B]``: ``1 / n`` for a row whose exact tokens appear ``n`` times in its group.
+    """``[B]``: ``1 / n`` for the rows of an episode whose exact tokens appear ``n`` times in its group.
 
-    input_ids, attention_mask: ``[B, S]`` (right padding); group_ids: ``[B]``.
+    input_ids, attention_mask: ``[B, S]`` (right padding); group_ids: ``[B]``; episode_ids: ``[B]``,
+    the episode each row is a sequence of (its job id), None: every row is an episode.
     Scaling each row's advantage by its share makes ``A_i ∇log π(y_i)`` count once per *distinct*
     episode ``y`` of a group instead of once per sample of it. When several replies are equally
-    good (every valid first move of FrozenLake's one-turn stage earns the same reward), the policy
+    good (every valid first move of FrozenLake's one-turn stage), the policy
     gradient pushes each in proportion to how often it was sampled, ``π(y)(1 - π(y))``, so
     whichever move happened to be likelier grows fastest and the stage ends with an arbitrary mix.
     Counted once, the likelier reply gets the smaller push, ``1 - π(y)``, and equally good
-    replies keep their spread. Padding is not compared; a :class:`LaterSegment` row is only the
-    duplicate of another later segment.
+    replies keep their spread. Padding is not compared. An episode of several sequences
+    (``Trajectory.segments``) is compared whole: two episodes that share their first sequence
+    and part later are distinct, as they are when played as one growing sequence, so a history
+    window does not change what counts as a duplicate. Without ``episode_ids`` a
+    :class:`LaterSegment` row is only the duplicate of another later segment.
     """
     keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
     lengths = attention_mask.sum(dim=1).tolist()
     rows = input_ids.cpu()
-    signatures = [
-        (key, isinstance(key, LaterSegment), rows[i, : int(lengths[i])].numpy().tobytes())
-        for i, key in enumerate(keys)
-    ]
-    counts: dict[tuple[Hashable, bool, bytes], int] = {}
-    for signature in signatures:
-        counts[signature] = counts.get(signature, 0) + 1
-    return torch.tensor([1.0 / counts[signature] for signature in signatures], device=input_ids.device)
+    episodes = list(range(len(keys))) if episode_ids is None else list(episode_ids)
+    sequences: dict[Hashable, list[tuple[bool, bytes]]] = {}
+    groups: dict[Hashable, Hashable] = {}
+    for i, (key, episode) in enumerate(zip(keys, episodes, strict=True)):
+        tokens = rows[i, : int(lengths[i])].numpy().tobytes()
+        sequences.setdefault(episode, []).append((isinstance(key, LaterSegment), tokens))
+        groups.setdefault(episode, key)
+    signatures = {episode: (groups[episode], tuple(parts)) for episode, parts in sequences.items()}
+    counts = collections.Counter(signatures.values())
+    return torch.tensor([1.0 / counts[signatures[episode]] for episode in episodes], device=input_ids.device)
 
 
 def _reply_starts(response_mask: torch.Tensor) -> torch.Tensor:
