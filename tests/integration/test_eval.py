@@ -268,7 +268,20 @@ def test_eval_with_a_model_dir_starts_and_stops_its_services(model_dir: Path, tm
     out = tmp_path / "run" / "trajectories.jsonl"
     args = ["eval", "--model", str(model_dir), "--env", FROZENLAKE, "--env", BANDIT]
     # --max-tokens only keeps the test fast: a random model at temperature 0 rambles for 100+ tokens.
-    result = stargym(*args, "--episodes", "16", "--max-turns", "4", "--max-tokens", "32", "--out", str(out))
+    # --history-turns 1: from the third turn on, every turn is a sequence of its own.
+    result = stargym(
+        *args,
+        "--episodes",
+        "16",
+        "--max-turns",
+        "4",
+        "--max-tokens",
+        "32",
+        "--history-turns",
+        "1",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     for header in ("success", "mean return", "mean turns", "invalid actions", "truncated", "errors"):
@@ -286,6 +299,7 @@ def test_eval_with_a_model_dir_starts_and_stops_its_services(model_dir: Path, tm
         assert trajectory.error is None and trajectory.trainable and not trajectory.text_only
         assert 1 <= trajectory.num_turns <= 4 and sum(trajectory.loss_mask) >= trajectory.num_turns
         assert trajectory.sampling.temperature == 0.0 and trajectory.sampling.seed == trajectory.seed
+        assert trajectory.history_turns == 1 and len(trajectory.segments) == max(0, trajectory.num_turns - 2)
     summary = orjson.loads((out.parent / "trajectories.summary.json").read_bytes())
     assert [row["env"] for row in summary["envs"]] == [FROZENLAKE, BANDIT]
     assert all(row["episodes"] == 16 and row["errors"] == 0 for row in summary["envs"])

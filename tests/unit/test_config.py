@@ -218,6 +218,10 @@ def test_cross_field_problems_name_the_key(tmp_path: Path) -> None:
     assert list(problems) == ["algorithm.critic.enabled"]
     problems = problems_of({"eval": {"stop_at_success": 0.5, "every": 0}}, tmp_path)
     assert list(problems) == ["eval.stop_at_success"] and "eval.every" in problems["eval.stop_at_success"]
+    problems = problems_of({"rollout": {"history_turns": 0, "agent": "my_agents:play"}}, tmp_path)
+    assert (
+        list(problems) == ["rollout.history_turns"] and "rollout.agent" in problems["rollout.history_turns"]
+    )
 
 
 def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:

@@ -145,6 +145,15 @@ def test_an_agent_job_names_a_function_or_a_harness_url(agent: str) -> None:
     assert Trajectory.model_validate(trajectory_fields(agent=agent, segments=[4])).segments == [4]
 
 
+def test_a_history_window_belongs_to_the_workers_loop() -> None:
+    job = make_job(history_turns=0)
+    assert RolloutJob.model_validate_json(job.model_dump_json()).history_turns == 0
+    with pytest.raises(ValidationError, match="an agent keeps its own history"):
+        make_job(agent="examples.openai_agent:play", history_turns=2)
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        make_job(history_turns=-1)
+
+
 @pytest.mark.parametrize(
     ("overrides", "share"),
     [
