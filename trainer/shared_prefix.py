@@ -14,6 +14,11 @@ predict that first sampled token): every row's first ``C`` tokens are context on
 deduplicated by those tokens, not by group id, so rows from different groups that happen to
 share them share them too, and a group whose rows differ is never merged.
 
+Before that, the prefix that *every* row shares (the env's instruction under the chat template,
+``K`` of the ``C`` tokens) is computed once for the whole micro-batch. With a history window
+(``rollout.history_turns: 0``) every turn is a row whose prompt is the instruction and one map:
+about 95 of its 125 tokens are the instruction, and the distinct prompts differ only after it.
+
 Whichever pass runs, only the logits that predict a trainable token are computed: the LM head
 runs on those columns alone (``logits_to_keep``), and the caller gets them as one ``[N, V]``
 tensor, what :func:`trainer.algorithms.selected_logprobs_and_entropy` takes.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,28 +57,55 @@ def trainable_logits(
     """``(token_logits, start)``: ``[N, V]``, the logits that predict the ``N`` trainable tokens
     (the ones of ``response_mask[:, 1:]``, row-major: the order of ``logits[:, :-1][mask]``).
 
-    ``start`` is 0 (one ordinary pass) unless the rows' shared context is worth computing once:
-    at least :data:`MIN_SHARED_TOKENS` long and at most half as many distinct prompts as rows.
+    ``start`` is where the rows' own pass begins: 0 (one ordinary pass) unless a shared context is
+    worth computing once, at least :data:`MIN_SHARED_TOKENS` long: the prefix every row has (``K``),
+    and the distinct prompts (``C``) when there are at most half as many as rows.
     ``share_prompts`` False always makes one pass (FSDP: every rank must run the same passes).
     Rows are right-padded (``attention_mask`` 1 on a prefix of each row).
     """
     predicting = response_mask[:, 1:].bool()  # token t is predicted by the logits of column t - 1
     columns = predicting.any(dim=0).nonzero().squeeze(1)
-    start = shared_length(response_mask) if share_prompts else 0
-    logits = None
-    if start >= MIN_SHARED_TOKENS:
-        prompts, inverse = torch.unique(input_ids[:, :start], dim=0, return_inverse=True)
-        if 2 * prompts.shape[0] <= input_ids.shape[0]:
-            logits = _logits_after_shared_prompts(
-                module, input_ids, attention_mask, prompts, inverse, columns - start
-            )
-    if logits is None:
+    context = shared_length(response_mask) if share_prompts else 0
+    plan = _sharing_plan(input_ids, context) if context >= MIN_SHARED_TOKENS else None
+    if plan is None:
         start = 0
         logits = _logits_at(module, columns, input_ids=input_ids, attention_mask=attention_mask)
+    else:
+        start = plan.start
+        logits = _logits_after_shared_context(module, input_ids, attention_mask, plan, columns - start)
     slot = torch.zeros(input_ids.shape[1], dtype=torch.long, device=input_ids.device)
     slot[columns] = torch.arange(columns.numel(), device=input_ids.device)
     rows, cols = predicting.nonzero(as_tuple=True)
     return logits[rows, slot[cols]], start
+
+
+@dataclass(frozen=True)
+class _SharingPlan:
+    """What is computed once: ``common`` tokens of every row (0: none), then the distinct
+    ``prompts`` ``[U, start]`` (None: none; row ``i``'s is ``prompts[inverse[i]]``). The rows'
+    own pass starts at ``start``."""
+
+    common: int
+    prompts: torch.Tensor | None
+    inverse: torch.Tensor | None
+
+    @property
+    def start(self) -> int:
+        return self.common if self.prompts is None else int(self.prompts.shape[1])
+
+
+def _sharing_plan(input_ids: torch.Tensor, context: int) -> _SharingPlan | None:
+    """How the first ``context`` tokens of every row (context only) are best shared; None: not at all."""
+    prompts, inverse = torch.unique(input_ids[:, :context], dim=0, return_inverse=True)
+    distinct = 2 * prompts.shape[0] <= input_ids.shape[0]
+    if prompts.shape[0] == 1:  # every row has the same context: it is the common prefix
+        return _SharingPlan(context, None, None)
+    differs = (input_ids[:, :context] != input_ids[:1, :context]).any(dim=0)
+    common = int(differs.int().argmax())  # the first column where some row differs from row 0
+    common = common if common >= MIN_SHARED_TOKENS else 0
+    if distinct:
+        return _SharingPlan(common, prompts, inverse)
+    return _SharingPlan(common, None, None) if common else None
 
 
 def _logits_at(module: nn.Module, columns: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
@@ -95,31 +128,57 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def _logits_after_shared_prompts(
+def _logits_after_shared_context(
     module: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    prompts: torch.Tensor,
-    inverse: torch.Tensor,
+    plan: _SharingPlan,
     columns: torch.Tensor,
 ) -> torch.Tensor:
-    """Forward the distinct ``prompts`` ``[U, C]`` once, then every row's tokens after them on the
-    KV of its own (row ``i``'s prompt is ``prompts[inverse[i]]``); the logits of ``columns``
-    (counted from ``C``)."""
-    start = prompts.shape[1]
-    prompt_cache = DynamicCache()
+    """Forward the common prefix once, the distinct prompts once each on its KV, then every row's
+    tokens after ``plan.start`` on the KV of its own prompt; the logits of ``columns`` (counted
+    from ``plan.start``)."""
     no_columns = columns[:0]
-    _logits_at(module, no_columns, input_ids=prompts, past_key_values=prompt_cache, use_cache=True)
-    rows_cache = DynamicCache()
-    for layer, kv in enumerate(prompt_cache.layers):
-        rows_cache.update(kv.keys.index_select(0, inverse), kv.values.index_select(0, inverse), layer)
-    positions = torch.arange(start, input_ids.shape[1], device=input_ids.device)
+    cache, past = DynamicCache(), 0
+    if plan.common:
+        _logits_at(
+            module, no_columns, input_ids=input_ids[:1, : plan.common], past_key_values=cache, use_cache=True
+        )
+        past = plan.common
+    if plan.prompts is None:
+        owners = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    else:
+        distinct = plan.prompts.shape[0]
+        if past:
+            cache = _selected(cache, torch.zeros(distinct, dtype=torch.long, device=input_ids.device))
+        _logits_at(
+            module,
+            no_columns,
+            input_ids=plan.prompts[:, past:],
+            position_ids=_positions(past, plan.start, distinct, input_ids.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        owners, past = plan.inverse, plan.start
     return _logits_at(
         module,
         columns,
-        input_ids=input_ids[:, start:],
+        input_ids=input_ids[:, past:],
         attention_mask=attention_mask,
-        position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1),
-        past_key_values=rows_cache,
+        position_ids=_positions(past, input_ids.shape[1], input_ids.shape[0], input_ids.device),
+        past_key_values=_selected(cache, owners),
         use_cache=True,
     )
+
+
+def _selected(cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:
+    """A cache whose row ``i`` is ``cache``'s row ``rows[i]`` (in the autograd graph: the shared
+    rows' gradients add up, as if every row had computed them)."""
+    selected = DynamicCache()
+    for layer, kv in enumerate(cache.layers):
+        selected.update(kv.keys.index_select(0, rows), kv.values.index_select(0, rows), layer)
+    return selected
+
+
+def _positions(start: int, end: int, rows: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, end, device=device).unsqueeze(0).expand(rows, -1)

@@ -24,12 +24,17 @@ def tiny_policy(name: str) -> torch.nn.Module:
     )
 
 
-def grouped_rows(vocab: int, groups: int, group_size: int, prompt_lengths: list[int], seed: int = 0):
-    """Right-padded rows: each group's rows share a prompt, then replies (trainable) and observations."""
+def grouped_rows(
+    vocab: int, groups: int, group_size: int, prompt_lengths: list[int], seed: int = 0, common: int = 0
+):
+    """Right-padded rows: each group's rows share a prompt, then replies (trainable) and observations.
+    Every prompt starts with the same ``common`` tokens (an instruction) before its own."""
     rng = random.Random(seed)
+    instruction = [rng.randrange(vocab) for _ in range(common)]
     rows, masks = [], []
     for group in range(groups):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_lengths[group % len(prompt_lengths)])]
+        length = prompt_lengths[group % len(prompt_lengths)]
+        prompt = instruction + [rng.randrange(vocab) for _ in range(length)]
         for _ in range(group_size):
             tokens, mask = list(prompt), [0.0] * len(prompt)
             for _ in range(rng.randrange(1, 4)):
@@ -76,15 +81,25 @@ def trainable_logprobs(model, input_ids, attention, response, how: str):
 
 
 @pytest.mark.parametrize("name", ["qwen", "mistral", "qwen without logits_to_keep"])
-def test_trainable_logits_give_the_logprobs_and_gradients_of_full_logits(name: str) -> None:
+@pytest.mark.parametrize(
+    ("groups", "group_size", "common", "shared_start"),
+    [
+        (4, 6, 0, 32),  # the distinct prompts once: the shortest prompt, less one
+        (4, 6, 20, 52),  # the instruction once, then the distinct prompts once on it
+        (12, 1, 20, 20),  # a prompt per row: only the instruction is shared
+    ],
+)
+def test_trainable_logits_give_the_logprobs_and_gradients_of_full_logits(
+    name: str, groups: int, group_size: int, common: int, shared_start: int
+) -> None:
     model = tiny_policy(name.split()[0])
     vocab = model.config.vocab_size
     if name.endswith("logits_to_keep"):
         model = WithoutLogitsToKeep(model)
-    input_ids, attention, response = grouped_rows(vocab, groups=4, group_size=6, prompt_lengths=[40, 33])
+    input_ids, attention, response = grouped_rows(vocab, groups, group_size, [40, 33], common=common)
     full, _, full_grads = trainable_logprobs(model, input_ids, attention, response, "full logits")
     assert full.numel() == int(response[:, 1:].sum())
-    for how, expected_start in (("one pass", 0), ("shared", 32)):  # the shortest prompt, less one
+    for how, expected_start in (("one pass", 0), ("shared", shared_start)):
         chosen, start, grads = trainable_logprobs(model, input_ids, attention, response, how)
         assert start == expected_start
         assert chosen == pytest.approx(full, abs=1e-5)
