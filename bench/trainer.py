@@ -28,6 +28,11 @@ there the same update in float32 is timed in the same rounds as well, and its ra
 hidden 896, 14 query and 2 key-value heads, a 151,936-token vocabulary; random weights, since no
 weights can be fetched here) instead of the tiny one, to see where an update's time goes at a real
 model's size. Results then go to ``trainer-<shape>[-cuda].json``.
+
+``--run RUN_DIR``: instead of a sampled batch, the newest whole batch that run trained (its
+``trajectories.jsonl``, the dashboard's record of every kept trajectory), with the run's config and
+its newest checkpoint's policy: the update timed on what a run really trains on, e.g. one with a
+``rollout.history_turns`` window, whose every turn is a row. Results go to ``trainer-run.json``.
 """
 
 from __future__ import annotations
@@ -40,24 +45,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # Run as a script, bench/ is first on sys.path and bench/env_server.py would shadow the package.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
+import orjson  # noqa: E402
 import torch  # noqa: E402
 
 from deploy.model_init import init_tiny_model  # noqa: E402
 from services.policy import load_policy  # noqa: E402
+from services.rollout_protocol import Trajectory  # noqa: E402
 from tests.synthetic import synthetic_trajectories  # noqa: E402
 from trainer.batch import TrainBatch, collate, micro_batches  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from trainer.checkpoint import CheckpointStore  # noqa: E402
+from trainer.config import TrainConfig, load_config  # noqa: E402
+from trainer.dashboard.samples import TRAJECTORIES_FILE  # noqa: E402
 from trainer.update import PolicyUpdater  # noqa: E402
 
 CONFIG = ROOT / "configs" / "frozenlake-tiny.yaml"
 RESULTS = ROOT / "bench" / "results" / "trainer.json"
 CUDA_RESULTS = ROOT / "bench" / "results" / "trainer-cuda.json"
+RUN_RESULTS = ROOT / "bench" / "results" / "trainer-run.json"
 # By class path, not the registered id "game/frozenlake": the same env and tiny model, without
 # needing the package's entry-point metadata (`pip install -e .`), which a GPU machine may lack.
 FROZENLAKE = "env_server.envs.game.frozenlake:FrozenLakeEnv"
@@ -98,6 +109,64 @@ def shaped_model(tiny_dir: Path, shape: str, out: Path) -> Path:
     return out
 
 
+def sampled_batch(
+    model: torch.nn.Module, tokenizer: Any, config: TrainConfig, *, one_thread: bool
+) -> list[Trajectory]:
+    """One batch of ``config``'s shape sampled from ``model``: see the module doc. ``one_thread``:
+    for the tiny model, whose one-token forwards threads only slow down."""
+    vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+    stops = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(action))[0] for action in ACTIONS]
+    threads = torch.get_num_threads()
+    if one_thread:
+        torch.set_num_threads(1)
+    sampled_groups = config.rollout.groups_per_batch
+    sampled = synthetic_trajectories(
+        model,
+        groups=sampled_groups,
+        group_size=config.rollout.group_size,
+        vocab_ids=vocab,
+        first_prompt_len=125,
+        observation_len=33,
+        # The horizon after the schedule's one-turn stage, where the demo spends most updates:
+        # 1-8 turns, ~280 tokens an episode, ~35k a batch, as its live updates have. (The first
+        # stage's cap, 1, gave one-turn episodes of 126 tokens: a batch the demo rarely trains on.)
+        turns=(1, config.curriculum.schedule.final_max_turns),
+        sampling=config.rollout.sampling,
+        stop_token_ids=stops,
+        seed=0,
+    )
+    torch.set_num_threads(threads)
+    copies = -(-config.rollout.groups_per_batch // sampled_groups)
+    return [
+        t.model_copy(update={"group_id": f"{t.group_id}-copy{copy}", "job_id": f"{t.job_id}-copy{copy}"})
+        for copy in range(copies)
+        for t in sampled
+    ][: config.rollout.batch_size]
+
+
+def recorded_batch(run_dir: Path, config: TrainConfig) -> tuple[int, list[Trajectory]]:
+    """``(step, trajectories)``: the newest update of ``run_dir`` whose whole batch is in its
+    ``trajectories.jsonl`` (older updates may have rotated out; a multi-rank run records each
+    rank's share, so any rank's file lacks the others')."""
+    kept: dict[int, list[dict[str, object]]] = {}
+    for line in (run_dir / TRAJECTORIES_FILE).read_bytes().splitlines():
+        record = orjson.loads(line)
+        if record["status"] == "kept":
+            kept.setdefault(record["step"], []).append(record)
+    whole = [step for step, records in kept.items() if len(records) >= config.rollout.batch_size]
+    if not whole:
+        raise SystemExit(
+            f"{run_dir / TRAJECTORIES_FILE}: no update with all {config.rollout.batch_size} of its "
+            "trajectories recorded"
+        )
+    step = max(whole)
+    fields = Trajectory.model_fields.keys()
+    return step, [
+        Trajectory.model_validate({key: value for key, value in record.items() if key in fields})
+        for record in kept[step]
+    ]
+
+
 def bare_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -131,13 +200,23 @@ def main() -> None:
         default="cpu",
         help="Where both loops run: cpu, or cuda (results then go to bench/results/trainer-cuda.json).",
     )
+    parser.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        help="A run directory: time the update on its newest recorded batch, with its config and policy.",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, not {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
+    if args.run is not None and args.shape != "tiny":
+        parser.error("--run times the run's own policy: --shape does not apply")
     results_path = CUDA_RESULTS if device.type == "cuda" else RESULTS
+    if args.run is not None:
+        results_path = RUN_RESULTS
     if args.shape != "tiny":
         results_path = results_path.with_name(results_path.name.replace("trainer", f"trainer-{args.shape}"))
     if args.threads:
@@ -149,42 +228,28 @@ def main() -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    config = load_config(CONFIG)
+    config = load_config(CONFIG if args.run is None else args.run / "config.yaml")
     budget = config.optim.micro_batch_tokens
+    source = "sampled"
+    sample_s = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        tiny_dir = init_tiny_model(Path(tmp) / "tiny", 0, [FROZENLAKE], 20, 8)
-        model_dir = shaped_model(tiny_dir, args.shape, Path(tmp) / args.shape)
+        if args.run is None:
+            tiny_dir = init_tiny_model(Path(tmp) / "tiny", 0, [FROZENLAKE], 20, 8)
+            model_dir = shaped_model(tiny_dir, args.shape, Path(tmp) / args.shape)
+        else:
+            store = CheckpointStore(args.run, read_only=True)
+            latest = store.latest()
+            if latest is None:
+                parser.error(f"--run {args.run}: no checkpoint to take the policy from")
+            model_dir = store.step_dir(latest) / "policy"
         model, tokenizer = load_policy(model_dir)
-        vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
-        stops = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(action))[0] for action in ACTIONS]
-        started = time.perf_counter()
-        threads = torch.get_num_threads()
-        if args.shape == "tiny":
-            torch.set_num_threads(1)  # one-token forwards of the tiny model: threads only add overhead
-        sampled_groups = config.rollout.groups_per_batch
-        sampled = synthetic_trajectories(
-            model,
-            groups=sampled_groups,
-            group_size=config.rollout.group_size,
-            vocab_ids=vocab,
-            first_prompt_len=125,
-            observation_len=33,
-            # The horizon after the schedule's one-turn stage, where the demo spends most updates:
-            # 1-8 turns, ~280 tokens an episode, ~35k a batch, as its live updates have. (The first
-            # stage's cap, 1, gave one-turn episodes of 126 tokens: a batch the demo rarely trains on.)
-            turns=(1, config.curriculum.schedule.final_max_turns),
-            sampling=config.rollout.sampling,
-            stop_token_ids=stops,
-            seed=0,
-        )
-        sample_s = time.perf_counter() - started
-        torch.set_num_threads(threads)
-        copies = -(-config.rollout.groups_per_batch // sampled_groups)
-        trajectories = [
-            t.model_copy(update={"group_id": f"{t.group_id}-copy{copy}", "job_id": f"{t.job_id}-copy{copy}"})
-            for copy in range(copies)
-            for t in sampled
-        ][: config.rollout.batch_size]
+        if args.run is None:
+            started = time.perf_counter()
+            trajectories = sampled_batch(model, tokenizer, config, one_thread=args.shape == "tiny")
+            sample_s = time.perf_counter() - started
+        else:
+            step, trajectories = recorded_batch(args.run, config)
+            source = f"{args.run} (update {step}, policy of step {latest})"
         batch = collate(trajectories, tokenizer.pad_token_id).to(device)
         bare_model, _ = load_policy(model_dir)
         bare_model.to(device).train()
@@ -232,7 +297,9 @@ def main() -> None:
     float32_tps = tokens / statistics.median(float32_times) if float32_times else None
     result = {
         "batch": {
-            "episodes": batch.size,
+            "source": source,
+            "episodes": len(trajectories),
+            "rows": batch.size,
             "tokens": tokens,
             "trainable_tokens": batch.num_trainable_tokens,
             "padded_len": batch.seq_len,
@@ -271,8 +338,8 @@ def main() -> None:
         f"bf16 autocast: {'on' if updater.autocast else 'off'}"
     )
     print(
-        f"batch: {batch.size} episodes, {tokens} tokens ({batch.num_trainable_tokens} trainable), "
-        f"{result['batch']['micro_batches']} micro-batch(es), sampled in {sample_s:.1f}s"
+        f"batch ({source}): {len(trajectories)} episodes in {batch.size} rows, {tokens} tokens "
+        f"({batch.num_trainable_tokens} trainable), {result['batch']['micro_batches']} micro-batch(es)"
     )
     print(f"bare forward+backward+step: {bare_tps:,.0f} tokens/s")
     print(f"PolicyUpdater.update:       {update_tps:,.0f} tokens/s")
