@@ -62,24 +62,29 @@ def test_eval_rounds_run_every_n_updates_and_at_the_end(tmp_path: Path, empty_re
         # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught (exit -15 / 143).
         assert stack.trainer.process.wait(timeout=60) in (0, -signal.SIGTERM)
         assert read_run_status(run_dir).state == "done"
+        trainer_log = stack.trainer.log()
 
     rounds = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    # Every 2 updates, then the final policy (step 5) at the end of the run.
-    assert [r["step"] for r in rounds] == [2, 4, 5]
+    steps = [r["step"] for r in rounds]
+    # Every 2 updates, then the final policy (step 5) at the end of the run. A round is not started
+    # while the previous one is still being played, and the trainer says so: step 2's 16 episodes
+    # queue behind up to 32 training jobs, and on a loaded machine two updates can come first.
+    skipped = "step 4: no eval round started, the previous one is still being played"
+    assert steps == [2, 4, 5] or (steps == [2, 5] and skipped in trainer_log), (steps, trainer_log[-2000:])
     for record in rounds:
         assert record["eval/episodes"] == EPISODES and record["eval/missing"] == 0
         assert 0.0 <= record["eval/game/bandit/success"] <= 1.0
         assert record["eval/success"] == record["eval/game/bandit/success"]
     metrics = {record["step"]: record for record in read_metrics(run_dir)}
-    for step in (2, 4, 5):
-        assert metrics[step]["eval/success"] == rounds[[2, 4, 5].index(step)]["eval/success"]
+    for step, record in zip(steps, rounds, strict=True):
+        assert metrics[step]["eval/success"] == record["eval/success"]
         assert "train/pg_loss" in metrics[step]  # logged beside that step's training metrics
-    assert "eval/success" not in metrics[1] and "eval/success" not in metrics[3]
+    assert all("eval/success" not in metrics[step] for step in {1, 2, 3, 4, 5} - set(steps))
 
     records = read_controller_log(run_dir)
     trained = {job for r in records if r["event"] == "batch" for job in r["job_ids"]}
     assert trained and not any(job.startswith(eval_group_prefix("e2e-eval")) for job in trained)
-    assert sum(r["jobs"] for r in records if r["event"] == "eval") == 3 * EPISODES
+    assert sum(r["jobs"] for r in records if r["event"] == "eval") == len(steps) * EPISODES
 
 
 def test_sigterm_ends_an_end_of_run_evaluation_that_cannot_finish(
