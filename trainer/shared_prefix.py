@@ -17,7 +17,7 @@ share them share them too, and a group whose rows differ is never merged.
 Before that, the prefix that *every* row shares (the env's instruction under the chat template,
 ``K`` of the ``C`` tokens) is computed once for the whole micro-batch. With a history window
 (``rollout.history_turns: 0``) every turn is a row whose prompt is the instruction and one map:
-about 95 of its 125 tokens are the instruction, and the distinct prompts differ only after it.
+the first 98 of its 127 tokens (the chat template and the instruction) are the same in every row.
 
 Whichever pass runs, only the logits that predict a trainable token are computed: the LM head
 runs on those columns alone (``logits_to_keep``), and the caller gets them as one ``[N, V]``
