@@ -447,7 +447,12 @@ class OptimConfig(Section):
     schedule: Literal["constant", "cosine"] = "constant"
     total_steps: int = Field(default=200, ge=1, description="Updates in the run (and the cosine length).")
     grad_clip: float | None = Field(default=1.0, gt=0, description="Max gradient norm; None: no clipping.")
-    micro_batch_tokens: int = Field(default=8192, ge=1, description="Token budget of one micro-batch.")
+    micro_batch_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description="The most padded tokens (rows x length) one micro-batch may hold: the memory cap. "
+        "Within it, rows are split by length where the padding saved is worth another pass.",
+    )
     bf16: Literal["auto", True, False] = Field(
         default="auto",
         description="bf16 autocast of the forwards; auto: on a GPU, and on a CPU with AMX (Sapphire Rapids on).",

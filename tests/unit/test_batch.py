@@ -10,10 +10,10 @@ from synthetic import synthetic_trajectories
 
 from deploy.model_init import init_tiny_model
 from services.policy import load_policy
-from services.rollout_protocol import SamplingParams, Trajectory
+from services.rollout_protocol import SamplingParams, Trajectory, Turn
 from trainer.algorithms import logprobs_from_logits
 from trainer.algorithms.advantages import LaterSegment
-from trainer.batch import TrainBatch, UntrainableTrajectoryError, collate, micro_batches
+from trainer.batch import PASS_COST_TOKENS, TrainBatch, UntrainableTrajectoryError, collate, micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +138,8 @@ def test_micro_batches_fit_the_budget_and_recombine(
     batch = collate(trajectories, tiny[1].pad_token_id)
     micros = micro_batches(batch, budget)
     _check_partition(batch, micros, budget)
-    if budget >= batch.padded_tokens:
-        assert len(micros) == 1
+    if budget >= batch.padded_tokens and batch.padded_tokens - batch.num_tokens <= PASS_COST_TOKENS:
+        assert len(micros) == 1  # no split can save more padding than a pass costs
     if budget == 1:
         assert len(micros) == batch.size  # each longer sequence on its own
     # Per-row results scatter back to the batch's order.
@@ -150,6 +150,74 @@ def test_micro_batches_fit_the_budget_and_recombine(
     assert torch.equal(full, batch.behaviour_logprobs)
     with pytest.raises(ValueError):
         micro_batches(batch, 0)
+
+
+def _rows_of_lengths(lengths: list[int]) -> TrainBatch:
+    """A batch whose rows have ``lengths`` (one trainable token each): all the split looks at."""
+    trajectories = [
+        Trajectory(
+            run_id="run",
+            env="game/frozenlake",
+            seed=row,
+            group_id=str(row),
+            max_turns=1,
+            policy_version=0,
+            worker_id="worker",
+            turns=[
+                Turn(
+                    observation="",
+                    response="",
+                    reward=0.0,
+                    done=True,
+                    valid=True,
+                    policy_version=0,
+                    prompt_tokens=length - 1,
+                    response_tokens=1,
+                )
+            ],
+            num_turns=1,
+            token_ids=[1] * length,
+            loss_mask=[0] * (length - 1) + [1],
+            logprobs=[0.0] * (length - 1) + [-1.0],
+        )
+        for row, length in enumerate(lengths)
+    ]
+    return collate(trajectories, 0)
+
+
+def _cost(micros: list[TrainBatch]) -> int:
+    return sum(micro.padded_tokens + PASS_COST_TOKENS for micro in micros)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_split_is_the_cheapest_cut_of_the_rows_by_length(seed: int) -> None:
+    """Exhaustive check: no cut of the length-sorted rows into runs within the budget costs less."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 900, (9,), generator=generator).tolist()
+    budget = 2_500
+    batch = _rows_of_lengths(lengths)
+    micros = micro_batches(batch, budget)
+    _check_partition(batch, micros, budget)
+    widths = sorted(lengths, reverse=True)
+    cheapest = None
+    for cuts in itertools.product([False, True], repeat=len(widths) - 1):
+        bounds = [0, *(i + 1 for i, cut in enumerate(cuts) if cut), len(widths)]
+        runs = [(b - a, widths[a]) for a, b in itertools.pairwise(bounds)]
+        if all(rows == 1 or rows * width <= budget for rows, width in runs):
+            cost = sum(rows * width + PASS_COST_TOKENS for rows, width in runs)
+            cheapest = cost if cheapest is None else min(cheapest, cost)
+    assert _cost(micros) == cheapest
+
+
+def test_short_and_long_episodes_go_to_passes_of_their_own() -> None:
+    """The recipe's shape in small: one-turn and eight-turn episodes in one batch that fits the budget."""
+    batch = _rows_of_lengths([127] * 40 + [411] * 40)
+    assert batch.padded_tokens <= 40_000
+    micros = micro_batches(batch, 40_000)
+    assert sorted(micro.seq_len for micro in micros) == [127, 411]
+    assert sum(micro.padded_tokens for micro in micros) == batch.num_tokens  # no padding left
+    same = _rows_of_lengths([300] * 80)
+    assert len(micro_batches(same, 40_000)) == 1  # nothing to save: one pass
 
 
 def test_a_trajectory_with_segments_is_one_row_per_sequence(tiny, trajectories: list[Trajectory]) -> None:
