@@ -20,6 +20,38 @@ RewardFn = Callable[[list[list[int]], random.Random], float]
 per turn)."""
 
 
+def one_turn_trajectory(
+    prompt: list[int], reply: int, *, seed: int = 0, group_id: str = "group"
+) -> Trajectory:
+    """A one-turn FrozenLake trajectory of exactly these tokens: ``prompt`` (mask 0), then ``reply``
+    sampled (log-prob -1): for tests of what reads a trajectory's tokens, not how they were played."""
+    return Trajectory(
+        run_id="run",
+        env="game/frozenlake",
+        seed=seed,
+        group_id=group_id,
+        max_turns=8,
+        policy_version=0,
+        worker_id="worker",
+        turns=[
+            Turn(
+                observation="",
+                response="",
+                reward=0.0,
+                done=True,
+                valid=False,
+                policy_version=0,
+                prompt_tokens=len(prompt),
+                response_tokens=1,
+            )
+        ],
+        num_turns=1,
+        token_ids=[*prompt, reply],
+        loss_mask=[0] * len(prompt) + [1],
+        logprobs=[0.0] * len(prompt) + [-1.0],
+    )
+
+
 def _default_reward(responses: list[list[int]], rng: random.Random) -> float:
     return float(rng.random() < 0.3)
 

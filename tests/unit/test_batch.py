@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 import torch
-from synthetic import synthetic_trajectories
+from synthetic import one_turn_trajectory, synthetic_trajectories
 
 from deploy.model_init import init_tiny_model
 from services.policy import load_policy
-from services.rollout_protocol import SamplingParams, Trajectory, Turn
+from services.rollout_protocol import SamplingParams, Trajectory
 from trainer.algorithms import logprobs_from_logits
 from trainer.algorithms.advantages import LaterSegment
 from trainer.batch import PASS_COST_TOKENS, TrainBatch, UntrainableTrajectoryError, collate, micro_batches
@@ -155,31 +155,7 @@ def test_micro_batches_fit_the_budget_and_recombine(
 def _rows_of_lengths(lengths: list[int]) -> TrainBatch:
     """A batch whose rows have ``lengths`` (one trainable token each): all the split looks at."""
     trajectories = [
-        Trajectory(
-            run_id="run",
-            env="game/frozenlake",
-            seed=row,
-            group_id=str(row),
-            max_turns=1,
-            policy_version=0,
-            worker_id="worker",
-            turns=[
-                Turn(
-                    observation="",
-                    response="",
-                    reward=0.0,
-                    done=True,
-                    valid=True,
-                    policy_version=0,
-                    prompt_tokens=length - 1,
-                    response_tokens=1,
-                )
-            ],
-            num_turns=1,
-            token_ids=[1] * length,
-            loss_mask=[0] * (length - 1) + [1],
-            logprobs=[0.0] * (length - 1) + [-1.0],
-        )
+        one_turn_trajectory([1] * (length - 1), 1, seed=row, group_id=str(row))
         for row, length in enumerate(lengths)
     ]
     return collate(trajectories, 0)

@@ -6,45 +6,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from synthetic import one_turn_trajectory
 from transformers import AutoTokenizer
 
 from bench.first_moves import INVALID, first_move_probabilities, first_prompts, move_token_ids
 from deploy.model_init import init_tiny_model
 from env_server.envs.game.frozenlake import ACTION_NAMES
-from services.rollout_protocol import Trajectory, Turn
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", 0, ["game/frozenlake"], 10, 5)
-
-
-def held_out(prompt: list[int], reply: int) -> Trajectory:
-    return Trajectory(
-        run_id="eval",
-        env="game/frozenlake",
-        seed=len(prompt),
-        group_id="eval",
-        max_turns=8,
-        policy_version=0,
-        worker_id="eval",
-        turns=[
-            Turn(
-                observation="",
-                response="",
-                reward=0.0,
-                done=True,
-                valid=False,
-                policy_version=0,
-                prompt_tokens=len(prompt),
-                response_tokens=1,
-            )
-        ],
-        num_turns=1,
-        token_ids=[*prompt, reply],
-        loss_mask=[0] * len(prompt) + [1],
-        logprobs=[0.0] * len(prompt) + [-1.0],
-    )
 
 
 def test_every_move_is_counted_under_both_of_its_one_token_spellings(policy: Path) -> None:
@@ -62,7 +34,7 @@ def test_prompts_of_different_lengths_read_as_each_would_alone(policy: Path, tmp
     run_dir = tmp_path / "run"
     shutil.copytree(policy, run_dir / "policy-v0")
     (run_dir / "eval-after").mkdir()
-    lines = [held_out(long, move_token_ids(tokenizer)["Down"][0]), held_out(short, 5)]
+    lines = [one_turn_trajectory(long, move_token_ids(tokenizer)["Down"][0]), one_turn_trajectory(short, 5)]
     (run_dir / "eval-after" / "trajectories.jsonl").write_text(
         "".join(trajectory.model_dump_json() + "\n" for trajectory in lines)
     )
