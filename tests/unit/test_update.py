@@ -264,6 +264,83 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(model_dir: Path,
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
+def _steps_of(
+    model_dir: Path, batches: list[TrainBatch], every_row: bool
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[dict[str, float]]]:
+    """A fresh policy updated once per batch with no entropy bonus: per update, the gradients its
+    optimizer step applied, the weights after it, and its metrics. ``every_row``: with a frozen
+    reference policy (KL logged, kl_coef 0), so every row is run."""
+    model, _ = load_policy(model_dir)
+    reference = copy.deepcopy(model) if every_row else None
+    updater = PolicyUpdater(
+        model, _config(entropy_coef=0.0, optim={"lr": 1e-2, "grad_clip": None}), reference_model=reference
+    )
+    grads: list[list[torch.Tensor]] = []
+    updater.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: grads.append(
+            [p.grad.detach().clone() for p in updater.policy.parameters()]
+        )
+    )
+    weights, metrics = [], []
+    for batch in batches:
+        metrics.append(updater.update(batch))
+        weights.append([p.detach().clone() for p in updater.policy.parameters()])
+    return grads, weights, metrics
+
+
+def _scored_by_group(trajectories: list[Trajectory], tokenizer, *, alike: set[int]) -> TrainBatch:
+    """The groups whose index is in ``alike`` score 1 on every episode, the others 1 on their
+    episodes that drew their first episode's token and 0 on the rest."""
+    groups = list(dict.fromkeys(t.group_id for t in trajectories))
+    first_token = {t.group_id: t.token_ids[-1] for t in reversed(trajectories)}
+    scored = [
+        _rewarded(
+            t,
+            1.0 if groups.index(t.group_id) in alike else float(t.token_ids[-1] == first_token[t.group_id]),
+        )
+        for t in trajectories
+    ]
+    return collate(scored, tokenizer.pad_token_id)
+
+
+def test_rows_without_advantage_skip_the_policy_passes_and_leave_the_step_unchanged(model_dir: Path) -> None:
+    """With no entropy bonus or KL term, a group whose episodes all scored alike (advantage 0 on
+    every token) adds nothing to the gradient: its rows are not run, and the weights end exactly
+    where running them leaves them, over two updates: one with such groups, one of them only
+    (Adam's moments still move the weights on a zero gradient)."""
+    model, tokenizer = load_policy(model_dir)
+    trajectories = _one_turn(model, tokenizer, groups=4, group_size=4, max_tokens=2, seed=7)
+    mixed = _scored_by_group(trajectories, tokenizer, alike={1, 3})
+    alike = _scored_by_group(trajectories, tokenizer, alike={0, 1, 2, 3})
+    assert mixed.scores[:4].unique().numel() == 2  # group 0 has a signal
+
+    grads, weights, metrics = _steps_of(model_dir, [mixed, alike], every_row=False)
+    every_grads, every_weights, every_metrics = _steps_of(model_dir, [mixed, alike], every_row=True)
+    assert [m["system/update_skipped_rows"] for m in metrics] == [8.0, 16.0]
+    assert [m["system/update_skipped_rows"] for m in every_metrics] == [0.0, 0.0]
+    assert metrics[1]["system/micro_batches"] == 0
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    for update in range(2):
+        for a, b in zip(grads[update], every_grads[update], strict=True):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert all(g.abs().sum() == 0 for g in grads[1])
+    # Adam moves every weight by about lr a step; float noise in near-zero gradients moves a few
+    # by up to ~3e-6 more or less, with or without the skip.
+    for a, b in zip(weights[1], every_weights[1], strict=True):
+        assert torch.allclose(a, b, atol=2e-5)
+    assert any(not torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True))
+    # The first pass's log-probs of the rows it ran are the behaviour's (sampled by these weights).
+    assert metrics[0]["rollout/logprob_gap"] < 1e-4
+
+
+def test_rows_without_advantage_are_run_for_the_entropy_bonus(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    trajectories = _one_turn(model, tokenizer, groups=2, group_size=4, max_tokens=2, seed=7)
+    batch = _scored_by_group(trajectories, tokenizer, alike={1})
+    updater = PolicyUpdater(model, _config(entropy_coef=0.01))
+    assert updater.update(batch)["system/update_skipped_rows"] == 0.0
+
+
 def _one_turn(
     model, tokenizer, *, groups: int, group_size: int, max_tokens: int, seed: int
 ) -> list[Trajectory]:
