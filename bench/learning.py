@@ -209,6 +209,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--runs", type=int, default=3, help="Runs per arm.")
     parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="run.seed of each arm's first run (the runs take the seeds from there on): more seeds "
+        "for a comparison already measured on 0, 1, 2.",
+    )
+    parser.add_argument(
         "--arm",
         type=arm,
         action="append",
@@ -285,9 +292,12 @@ def main() -> int:
         else:
             runs_dir = args.keep_runs.resolve()
             runs_dir.mkdir(parents=True, exist_ok=True)
-        for index in range(args.runs):
+        for index in range(args.first_seed, args.first_seed + args.runs):
             for label, tree in args.arms:
-                print(f"run {index + 1}/{args.runs}, {label} ({tree}): up to {args.minutes:g} minutes ...")
+                print(
+                    f"run {index - args.first_seed + 1}/{args.runs} (seed {index}), {label} ({tree}): "
+                    f"up to {args.minutes:g} minutes ..."
+                )
                 run = run_once(label, tree, index, args, runs_dir)
                 reached = run["minutes_to_target"]
                 outcome = (
@@ -304,6 +314,7 @@ def main() -> int:
         "config": str(DEMO_CONFIG),
         "target": args.target,
         "minutes_per_run": args.minutes,
+        "seeds": list(range(args.first_seed, args.first_seed + args.runs)),
         "eval_every": args.eval_every,
         "trainer_threads": args.trainer_threads,
         "overrides": args.set,
