@@ -22,8 +22,8 @@ Read top to bottom, one update is:
 Old log-probs. The trainer recomputes the log-probs of the sampled tokens with its current weights
 under each trajectory's own sampling (temperature, top-k, top-p: the distribution the engine
 sampled from and reported, :func:`~trainer.algorithms.selected_logprobs_and_entropy`) and logs
-``rollout/logprob_gap`` = mean |recomputed - behaviour| over the trainable tokens (engine/trainer
-mismatch, stale weights; ~0 on-policy). No extra forward pass is spent on
+``rollout/logprob_gap`` = mean |recomputed - behaviour| over the trainable tokens of the rows it
+trains on (engine/trainer mismatch, stale weights; ~0 on-policy). No extra forward pass is spent on
 it: the first pass runs every micro-batch before the first optimizer step, so its log-probs
 *are* the current weights' log-probs, detached. (Exact for models without dropout, which RL
 fine-tuning turns off; the tiny model and Qwen2 have none.)
@@ -313,14 +313,13 @@ class PolicyUpdater:
             bootstrap = torch.where(batch.truncated, final_values, bootstrap)
         return CriticValues(values * batch.response_mask, bootstrap)
 
-    def _denominator(self, response_mask: torch.Tensor) -> float:
+    def _denominator(self, batch: TrainBatch) -> float:
         """What each micro-batch's loss sum is divided by, so summed over micro-batches (and
-        averaged over ranks by the gradient reduction) it is the loss of the whole batch
-        (``response_mask``: ``[B, S]``, the batch's)."""
+        averaged over ranks by the gradient reduction) it is the loss of the whole batch."""
         if self.algo.loss_agg == "token-mean":
-            local = response_mask.sum()
+            local = batch.response_mask.sum()
         else:
-            local = (response_mask.sum(dim=1) > 0).float().sum()
+            local = (batch.response_mask.sum(dim=1) > 0).float().sum()
         total = self.parallelism.all_reduce(local.detach().clone().float())
         return max(float(total), 1.0) / self.parallelism.world_size
 
@@ -330,8 +329,8 @@ class PolicyUpdater:
         batch = batch.to(self.device)
         micros = micro_batches(batch, self.optim_config.micro_batch_tokens)
         num_micro = self.parallelism.all_reduce_max(len(micros))
+        denominator = self._denominator(batch)
         mask = batch.response_mask
-        denominator = self._denominator(mask)
 
         with torch.no_grad():
             advantages, returns, old_values = self._advantages(batch, micros, num_micro)
@@ -343,8 +342,12 @@ class PolicyUpdater:
         policy_micros, trained = self._policy_micro_batches(batch, micros, advantages)
         num_policy_micro = self.parallelism.all_reduce_max(len(policy_micros))
         trained_mask = mask * trained.unsqueeze(1).to(mask.dtype)
-        # The metrics of the policy's passes (entropy) are means over the rows it trained on.
-        metric_scale = denominator / self._denominator(trained_mask) if self._skips_rows else 1.0
+        # The entropy of rows the passes skip: their sampled tokens' -log-prob under the behaviour
+        # policy, an unbiased estimate of its entropy, so train/entropy (the echo-trap watch)
+        # still covers the whole batch when most groups have no signal.
+        sampled_entropy = float(
+            aggregate_loss(-batch.behaviour_logprobs, mask - trained_mask, self.algo.loss_agg, denominator)
+        )
 
         entropy_coef = self.algo.entropy_coef
         kl_coef = self.algo.kl_coef
@@ -461,7 +464,7 @@ class PolicyUpdater:
         metric_values = {
             "train/pg_loss": sums["pg_loss"] / epochs,
             "train/vf_loss": sums["vf_loss"] / epochs,
-            "train/entropy": sums["entropy"] * metric_scale / epochs,
+            "train/entropy": sums["entropy"] / epochs + sampled_entropy,
             "train/kl": sums["kl"] / epochs,
             "train/clipfrac": sums["clipfrac"] / tokens_weight,
             "train/dual_clipfrac": sums["dual_clipfrac"] / tokens_weight,

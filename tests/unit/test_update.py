@@ -329,6 +329,11 @@ def test_rows_without_advantage_skip_the_policy_passes_and_leave_the_step_unchan
     for a, b in zip(weights[1], every_weights[1], strict=True):
         assert torch.allclose(a, b, atol=2e-5)
     assert any(not torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True))
+    # The entropy the echo-trap watch reads still covers skipped rows: their sampled tokens'
+    # -log-prob under the behaviour policy.
+    sampled = (-alike.behaviour_logprobs * alike.response_mask).sum() / alike.response_mask.sum()
+    assert metrics[1]["train/entropy"] == pytest.approx(float(sampled), rel=1e-5)
+    assert metrics[1]["train/entropy"] > 0
     # The first pass's log-probs of the rows it ran are the behaviour's (sampled by these weights).
     assert metrics[0]["rollout/logprob_gap"] < 1e-4
 
@@ -596,7 +601,13 @@ def test_state_dict_round_trip_through_the_checkpoint_store(model_dir: Path, tmp
 # --- two processes on the gloo backend ---------------------------------------------------------
 
 
-ALGORITHMS = {"grpo": {}, "gae": {"advantage": "gae", "critic": {"enabled": True}}}
+ALGORITHMS = {
+    "grpo": {},
+    "gae": {"advantage": "gae", "critic": {"enabled": True}},
+    # No entropy bonus: rows of groups that all scored alike skip the policy's passes, so the ranks
+    # run different numbers of them.
+    "grpo-skip": {"entropy_coef": 0.0},
+}
 
 
 # A collective that one rank never joins raises after this instead of waiting gloo's 30 minutes.
@@ -658,12 +669,15 @@ def _spawn_ranks(args: tuple, nprocs: int) -> None:
             pytest.fail(f"ranks {alive} still running after {SPAWN_DEADLINE_S:.0f} s: killed")
 
 
-@pytest.mark.parametrize(("parallel", "algorithm"), [("fsdp", "grpo"), ("ddp", "grpo"), ("fsdp", "gae")])
+@pytest.mark.parametrize(
+    ("parallel", "algorithm"), [("fsdp", "grpo"), ("ddp", "grpo"), ("fsdp", "gae"), ("fsdp", "grpo-skip")]
+)
 def test_two_gloo_processes_end_with_identical_weights(
     model_dir: Path, tmp_path: Path, parallel: str, algorithm: str
 ) -> None:
     """GAE: the critic's forwards stay in step across ranks with different micro-batch counts,
-    and its advantages are whitened with the statistics of both ranks' batches."""
+    and its advantages are whitened with the statistics of both ranks' batches. grpo-skip: the
+    policy's passes stay in step when the ranks skip different numbers of rows."""
     args = (2, str(model_dir), str(tmp_path), parallel, algorithm)
     _spawn_ranks(args, nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -699,4 +713,7 @@ def test_two_gloo_processes_end_with_identical_weights(
     expected = single.update(collate_all(union, tokenizer.pad_token_id))
     assert ranks[0]["metrics"]["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)
     assert ranks[0]["metrics"]["system/update_tokens"] == expected["system/update_tokens"]
+    assert ranks[0]["metrics"]["system/update_skipped_rows"] == expected["system/update_skipped_rows"]
+    if algorithm == "grpo-skip":
+        assert expected["system/update_skipped_rows"] > 0
     assert CheckpointStore(tmp_path / "run").latest() == 1
