@@ -143,6 +143,7 @@ def plot(runs: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Non
 
     colours = dict(zip(dict.fromkeys(run["arm"] for run in runs), plt.get_cmap("tab10").colors, strict=False))
     figure, axes = plt.subplots(figsize=(7, 4.2))
+    labelled: set[str] = set()
     for run in runs:
         points = run["curve"]
         axes.plot(
@@ -151,8 +152,9 @@ def plot(runs: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Non
             color=colours[run["arm"]],
             alpha=0.8,
             marker=".",
-            label=run["arm"] if run["run"] == 0 else None,
+            label=None if run["arm"] in labelled else run["arm"],
         )
+        labelled.add(run["arm"])
     axes.axhline(args.target, color="grey", linestyle="--", linewidth=1)
     axes.axvline(TARGET_MINUTES, color="grey", linestyle=":", linewidth=1)
     axes.set_xlabel("wall-clock minutes since the services started")
