@@ -16,7 +16,8 @@ recipe run (cwd = DIR, ``python -m deploy``), so ``--arm before=<worktree of an 
 measures the old code and recipe beside today's. Arms may share a checkout and differ in config
 (``--arm-set LABEL KEY=VALUE``: a recipe change measured beside the recipe as it is). The
 launcher (``bring_up``) is this checkout's for every arm, so a launcher setting is an arm option of
-its own (``--arm-niceness LABEL N``: the rollout side's priority). Runs alternate between arms, so all arms see the
+its own (``--arm-niceness LABEL N``: the rollout side's priority; ``--arm-engine LABEL PLACE``:
+the CPU engine in the rollout worker's process or a server of its own). Runs alternate between arms, so all arms see the
 same machine in the same hour; the median of ``--runs`` runs per arm is reported (a run that
 never reached the target counts as its whole budget, and says so). Results go to
 ``bench/results/learning.json`` and the plot of held-out success against wall-clock minutes, one
@@ -43,7 +44,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from deploy.demo import DEMO_CONFIG, DemoReport, evaluate, train_and_evaluate  # noqa: E402
-from deploy.up import ROLLOUT_NICENESS  # noqa: E402
+from deploy.up import ROLLOUT_NICENESS, EnginePlace  # noqa: E402
 from services.policy import policy_dir_name, policy_version  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 
@@ -74,6 +75,7 @@ def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir
             evaluate_before=False,
             trainer_threads=args.trainer_threads,
             rollout_niceness=args.arm_niceness.get(arm, ROLLOUT_NICENESS),
+            engine_place=args.arm_engine.get(arm, EnginePlace.WORKER),
         )
         curve = held_out_curve(report, started, args.eval_every)
     reached = next((point for point in curve if point["success"] >= args.target), None)
@@ -256,6 +258,15 @@ def parse_args() -> argparse.Namespace:
         help=f"How many nice steps below the trainer one arm's rollout side runs (default {ROLLOUT_NICENESS},"
         " `stargym up`'s; the launcher is this checkout's for every arm), e.g. --arm-niceness equal 0.",
     )
+    parser.add_argument(
+        "--arm-engine",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("LABEL", "PLACE"),
+        help="Where one arm's CPU engine runs: 'worker' (in the rollout worker's process, `stargym up`'s "
+        "default) or 'server' (a process of its own), e.g. --arm-engine http server.",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
     parser.add_argument(
         "--keep-runs",
@@ -278,6 +289,12 @@ def parse_args() -> argparse.Namespace:
         if label not in labels:
             parser.error(f"--arm-niceness {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
     args.arm_niceness = {label: int(niceness) for label, niceness in args.arm_niceness}
+    for label, place in args.arm_engine:
+        if label not in labels:
+            parser.error(f"--arm-engine {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+        if place not in set(EnginePlace):
+            parser.error(f"--arm-engine {label}: {place!r} is not one of {', '.join(EnginePlace)}")
+    args.arm_engine = {label: EnginePlace(place) for label, place in args.arm_engine}
     args.out = args.out.resolve()
     return args
 
@@ -322,6 +339,7 @@ def main() -> int:
         "overrides": args.set,
         "arm_overrides": args.arm_set,
         "arm_niceness": args.arm_niceness,
+        "arm_engine": {label: str(place) for label, place in args.arm_engine.items()},
         "arm_commits": {label: commit_of(tree) for label, tree in args.arms},
         "runtime_s": time.perf_counter() - started,
         "arms": summarise(runs),

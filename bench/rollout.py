@@ -10,7 +10,11 @@ Everything is a real process on free loopback ports, as a user runs it:
   topped up so the worker never runs dry) and trajectories read back from
   ``stargym:<run>:trajectories``;
 * **direct path** (comparison): ``rollout_server.episode.run_episode`` driven by 64 asyncio tasks
-  in this process, against the same env server and engine: the episode runner without the queue.
+  in this process, against the same env server and engine: the episode runner without the queue;
+* **engine in the worker** (``stargym up``'s default): ``stargym rollout --engine-model DIR``, the
+  engine in the worker's own process, reached without HTTP; the report gives its rollout CPU per
+  turn (engine, worker and env server together) and episodes/s over the worker path's
+  (``--no-in-worker`` skips it).
 
 The worker path runs twice, each time on an engine of its own: first the engine as it was before
 batched prefill (``--prefill-tokens 0``: each prompt whole, in a forward pass of its own, the
@@ -57,6 +61,7 @@ if str(REPO_ROOT) not in sys.path:
 from deploy.launcher import ServiceProcess, free_port, start_service  # noqa: E402
 from deploy.model_init import init_tiny_model  # noqa: E402
 from deploy.redis_local import start_redis_server  # noqa: E402
+from rollout_server.settings import ENGINE_MOUNT  # noqa: E402
 from services.rollout_protocol import (  # noqa: E402
     DATA_FIELD,
     ROLLOUT_GROUP,
@@ -71,6 +76,7 @@ TARGET_UTILISATION = 0.85
 TARGET_SPEEDUP = 1.8  # episodes/s of batched prefill over the engine before it (issue 15)
 ONE_PER_PASS = "one prompt per prefill pass"
 BATCHED = "batched prefill"
+IN_WORKER = "worker, engine in its process"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -129,14 +135,16 @@ def engine_counters(url: str) -> dict[str, float]:
 class Window:
     """Snapshot of every counter at the start of a measured window; :meth:`close` gives the deltas."""
 
-    def __init__(self, engine_url: str, pids: dict[str, int], db: redis.Redis) -> None:
+    def __init__(self, engine_url: str, engine_pid: int, pids: dict[str, int], db: redis.Redis) -> None:
+        """``pids``: the processes whose CPU is counted (the engine's among them, once)."""
         self.engine_url = engine_url
+        self.engine_pid = engine_pid
         self.pids = pids
         self.db = db
         self.engine = engine_counters(engine_url)
         self.cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        self.engine_tid = busiest_thread(pids["engine"])
-        self.engine_thread = thread_schedstat(pids["engine"], self.engine_tid)
+        self.engine_tid = busiest_thread(engine_pid)
+        self.engine_thread = thread_schedstat(engine_pid, self.engine_tid)
         self.redis_ms = _redis_ms(db)
         self.in_flight: list[float] = []
 
@@ -147,7 +155,7 @@ class Window:
     def close(self) -> dict[str, Any]:
         engine = engine_counters(self.engine_url)
         cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
-        on_cpu, waiting = thread_schedstat(self.pids["engine"], self.engine_tid)
+        on_cpu, waiting = thread_schedstat(self.engine_pid, self.engine_tid)
         delta = {name: engine[name] - self.engine.get(name, 0.0) for name in engine}
         seconds = delta["at"]
         decode_tokens = delta["engine_generated_tokens"] - delta["engine_finished_sequences"]
@@ -282,26 +290,37 @@ def read_trajectories(db: redis.Redis, start_ms: int, end_ms: int) -> list[Traje
 
 
 def bench_worker(
-    args: argparse.Namespace, db: redis.Redis, redis_url: str, engine: ServiceProcess, env_server: ServiceProcess,
-    redis_pid: int, model_dir: Path, log_dir: Path,
+    args: argparse.Namespace, db: redis.Redis, redis_url: str, engine: ServiceProcess | None,
+    env_server: ServiceProcess, redis_pid: int, model_dir: Path, log_dir: Path,
 ) -> dict[str, Any]:  # fmt: skip
-    """``stargym rollout`` consuming jobs from Redis; measured once it has warmed up."""
+    """``stargym rollout`` consuming jobs from Redis; measured once it has warmed up. ``engine``
+    None: the worker runs the engine in its own process (``--engine-model``, served at /engine)."""
     feeder = JobFeeder(db, args)
     feeder.top_up()
     worker_args = [
-        "rollout", "--engine-url", engine.url, "--env", f"game={env_server.url}", "--tokenizer", str(model_dir),
+        "rollout", "--env", f"game={env_server.url}", "--tokenizer", str(model_dir),
         "--concurrency", str(args.concurrency), "--shutdown-grace-s", "0", "--run", KEYS.run_id,
     ]  # fmt: skip
-    with service("worker", worker_args, log_dir, env={"REDIS_URL": redis_url}) as worker:
-        pids = {"engine": engine.process.pid, "worker": worker.process.pid, "env_server": env_server.process.pid,
-                "redis": redis_pid}  # fmt: skip
+    worker_args += ["--engine-url", engine.url] if engine is not None else ["--engine-model", str(model_dir)]
+    # The engine in the worker: the engine server's settings, from its variables.
+    engine_env = {} if engine is not None else {"STARGYM_THREADS": str(args.threads)}
+    with service("worker", worker_args, log_dir, env={"REDIS_URL": redis_url, **engine_env}) as worker:
+        engine_url = engine.url if engine is not None else f"{worker.url}{ENGINE_MOUNT}"
+        engine_pid = engine.process.pid if engine is not None else worker.process.pid
+        pids = {"worker": worker.process.pid, "env_server": env_server.process.pid, "redis": redis_pid}
+        if engine is not None:
+            pids["engine"] = engine.process.pid
         deadline = time.monotonic() + args.warmup
         while time.monotonic() < deadline:
             feeder.top_up()
             time.sleep(0.25)
-        window = Window(engine.url, pids, db)
+        window = Window(engine_url, engine_pid, pids, db)
         deadline = time.monotonic() + args.seconds
-        targets = {"engine": pids["engine"], "worker": pids["worker"]}
+        targets = (
+            {"engine": engine_pid, "worker": pids["worker"]}
+            if engine is not None
+            else {IN_WORKER: engine_pid}
+        )
         with profiled(targets, min(10.0, args.seconds), args.profile) as profile:
             while time.monotonic() < deadline:
                 feeder.top_up()
@@ -352,7 +371,7 @@ def bench_direct(
 
             players = [asyncio.create_task(player()) for _ in range(args.concurrency)]
             await asyncio.sleep(args.warmup)
-            window = await asyncio.to_thread(Window, engine.url, pids, db)
+            window = await asyncio.to_thread(Window, engine.url, engine.process.pid, pids, db)
             started = time.perf_counter()
             while time.perf_counter() - started < args.seconds:
                 await asyncio.to_thread(window.sample)
@@ -377,6 +396,7 @@ PROFILED = {
         "complete_job",
     ),
 }
+PROFILED[IN_WORKER] = (*PROFILED["engine"][:3], "run_completion", *PROFILED["worker"])
 
 
 def py_spy() -> str | None:
@@ -461,7 +481,7 @@ def render(results: dict[str, Any]) -> None:
         f"({machine['cpus']} cores, load {machine['load_average_before'][0]:.1f} → {machine['load_average_after'][0]:.1f})"
     )
     for column in ("path", "episodes/s", "tokens/s", "env steps/s", "engine util.", "engine thread: on CPU / runq", "in engine", "decode batch",
-                   "slots: engine / env / between", "CPU cores: engine / episodes / env"):  # fmt: skip
+                   "slots: engine / env / between", "CPU cores: engine / episodes / env", "CPU ms a turn"):  # fmt: skip
         table.add_column(column, justify="right")
     for label, row in results["paths"].items():
         cpu = row["cpu_cores"]
@@ -479,15 +499,28 @@ def render(results: dict[str, Any]) -> None:
                 f"{row['episode_slots'][key]:.1f}"
                 for key in ("waiting_for_engine", "in_env_calls", "between_episodes")
             ),
-            f"{cpu['engine']:.2f} / {episodes_cpu:.2f} / {cpu['env_server']:.2f}",
+            (f"{cpu['engine']:.2f}" if "engine" in cpu else "(in worker)")
+            + f" / {episodes_cpu:.2f} / {cpu['env_server']:.2f}",
+            f"{rollout_cpu_ms_per_turn(row):.2f}",
         )
     Console(width=170).print(table)
     if results["batched_over_one_prefill_per_pass"] is not None:
         print(f"episodes/s, batched prefill over one prompt per prefill pass: "
               f"{results['batched_over_one_prefill_per_pass']:.2f}x (target {TARGET_SPEEDUP}x)")  # fmt: skip
+    ratios = results["engine_in_worker_over_engine_server"]
+    if ratios is not None:
+        print(f"engine in the worker's process over an engine server: {ratios['cpu_ms_per_turn']:.2f}x the "
+              f"rollout CPU a turn, {ratios['episodes_per_s']:.2f}x the episodes/s")  # fmt: skip
     target = results["target"]
     print(f"engine utilisation (worker path) {target['measured']:.0%}, target {target['utilisation']:.0%}: "
           f"{'met' if target['met'] else 'NOT met'}")  # fmt: skip
+
+
+def rollout_cpu_ms_per_turn(path: dict[str, Any]) -> float:
+    """CPU milliseconds of the rollout side (engine, worker, env server) per turn played."""
+    cpu = path["cpu_cores"]
+    cores = sum(cpu.get(name, 0.0) for name in ("engine", "worker", "bench (episodes)", "env_server"))
+    return 1000 * cores / path["turns_per_s"] if path["turns_per_s"] else float("nan")
 
 
 def engine_paths(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -520,7 +553,13 @@ def parse_args() -> argparse.Namespace:
         help="Skip the engine that prefills one prompt per pass (--prefill-tokens 0), the side-by-side baseline.",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="py-spy the engine and the worker in the worker window."
+        "--no-in-worker",
+        dest="in_worker",
+        action="store_false",
+        help="Skip the worker that runs the engine in its own process (--engine-model).",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the engine and the worker in the worker windows."
     )
     parser.add_argument("--check", action="store_true", help="Exit 1 if utilisation misses the target.")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "rollout.json")
@@ -552,6 +591,11 @@ def main() -> int:
                     paths["direct"] = bench_direct(
                         args, db, engine, env_server, local_redis.process.pid, model_dir
                     )
+        if args.in_worker:
+            print(f"{IN_WORKER}: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
+            paths[IN_WORKER] = bench_worker(
+                args, db, local_redis.url, None, env_server, local_redis.process.pid, model_dir, log_dir
+            )
     import torch
     import transformers
 
@@ -561,6 +605,13 @@ def main() -> int:
         speedup = (
             paths[f"worker, {BATCHED}"]["episodes_per_s"] / paths[f"worker, {ONE_PER_PASS}"]["episodes_per_s"]
         )
+    in_worker = None
+    if IN_WORKER in paths:
+        served = paths[f"worker, {BATCHED}"]
+        in_worker = {
+            "cpu_ms_per_turn": rollout_cpu_ms_per_turn(paths[IN_WORKER]) / rollout_cpu_ms_per_turn(served),
+            "episodes_per_s": paths[IN_WORKER]["episodes_per_s"] / served["episodes_per_s"],
+        }
     results = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -583,6 +634,7 @@ def main() -> int:
         "paths": paths,
         "prefill_tokens": args.prefill_tokens,
         "batched_over_one_prefill_per_pass": speedup,
+        "engine_in_worker_over_engine_server": in_worker,
         "target": {"utilisation": TARGET_UTILISATION, "measured": measured, "met": measured >= TARGET_UTILISATION},
     }  # fmt: skip
     render(results)

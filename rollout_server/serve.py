@@ -2,6 +2,7 @@
 
     stargym rollout --engine-url http://127.0.0.1:8210 --env game=http://127.0.0.1:8101 \\
         --concurrency 64 --port 8200
+    stargym rollout --engine-model models/tiny --env game=http://127.0.0.1:8101   # the engine in-process
 
 Redis comes from ``REDIS_URL``; every flag also reads a ``STARGYM_ROLLOUT_*`` variable (see
 :mod:`rollout_server.settings`).
@@ -12,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from rollout_server.settings import WorkerSettings, parse_engine_urls
 from services.contracts import parse_env_servers
 from services.serving import run_service, settings_from_flags
+
+if TYPE_CHECKING:
+    from rollout_server.engine.app import EngineState
 
 
 def rollout_command(
@@ -28,6 +32,14 @@ def rollout_command(
             "--engine-url",
             help="Inference server(s), comma-separated or repeated; a name that resolves to several "
             "addresses is one server per address [STARGYM_ROLLOUT_ENGINE_URLS].",
+        ),
+    ] = None,
+    engine_model: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the CPU engine on this model directory in the worker's process, instead of "
+            "using --engine-url: no HTTP between episodes and engine; its protocol is served under "
+            "/engine on the worker's port [STARGYM_ROLLOUT_ENGINE_MODEL].",
         ),
     ] = None,
     env: Annotated[
@@ -73,6 +85,7 @@ def rollout_command(
     """Consume rollout jobs, play the episodes, publish the trajectories."""
     overrides = {
         "engine_urls": parse_engine_urls(",".join(engine_url)) if engine_url else None,
+        "engine_model": engine_model,
         "env_urls": _env_urls(env) if env else None,
         "run": run,
         "concurrency": concurrency,
@@ -84,12 +97,13 @@ def rollout_command(
         "shutdown_grace_s": shutdown_grace_s,
     }
     settings = settings_from_flags(WorkerSettings, overrides)
-    tokenizer_dir = settings.tokenizer or asyncio.run(_engine_model_dir(settings))
+    tokenizer_dir = settings.tokenizer or settings.engine_model or asyncio.run(_engine_model_dir(settings))
     if not Path(tokenizer_dir).is_dir():
         raise typer.BadParameter(f"{tokenizer_dir!r} is not a directory", param_hint="--tokenizer")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    engine = _engine_in_process(settings) if settings.engine_model is not None else None
     # transformers loads here: every `stargym` command imports this module.
     from transformers import AutoTokenizer
 
@@ -101,7 +115,19 @@ def rollout_command(
         chat_format(loaded)  # a chat template that cannot be extended turn by turn fails here, once
     except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
         raise typer.BadParameter(f"cannot use the tokenizer in {tokenizer_dir!r}: {exc}") from None
-    run_service(build_app(settings, loaded), settings)
+    run_service(build_app(settings, loaded, engine=engine), settings)
+
+
+def _engine_in_process(settings: WorkerSettings) -> EngineState:
+    """The engine of ``--engine-model``, loaded here: ``stargym engine serve``'s settings from
+    ``STARGYM_*``, with room for a sequence per episode, and no token of its own: its routes are
+    the worker's, behind the worker's token."""
+    from rollout_server.engine.serve import load_engine
+    from rollout_server.engine.settings import EngineSettings
+
+    engine_settings = settings_from_flags(EngineSettings, {"model": settings.engine_model})
+    update = {"api_token": None, "max_num_seqs": max(engine_settings.max_num_seqs, settings.concurrency)}
+    return load_engine(engine_settings.model_copy(update=update))
 
 
 def _env_urls(values: list[str]) -> dict[str, list[str]]:

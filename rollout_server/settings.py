@@ -21,6 +21,8 @@ from services.rollout_protocol import RUN_ID_PATTERN
 from services.settings import ONE_MIB, OptionalToken, ServiceSettings
 
 ENV_PREFIX = "STARGYM_ROLLOUT_"
+ENGINE_MOUNT = "/engine"
+"""Where a worker that runs the engine in its process (``engine_model``) serves its protocol."""
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
@@ -62,6 +64,14 @@ class WorkerSettings(ServiceSettings):
         description="Inference servers speaking the engine protocol; episodes are spread over them. "
         "A name that resolves to several addresses (a headless Service) is one engine per address.",
     )
+    engine_model: str | None = Field(
+        default=None,
+        description="A model directory: run the CPU engine on it in this worker's process, instead "
+        "of the engines of engine_urls (ignored then). Episodes call it without HTTP; its protocol is "
+        f"served on this worker's port under {ENGINE_MOUNT} for everyone else (the dashboard, admin "
+        "calls). Its other settings come from STARGYM_* as for `stargym engine serve`, and its "
+        "max_num_seqs is at least concurrency.",
+    )
     env_urls: Annotated[dict[str, list[str]], NoDecode] = Field(
         default_factory=lambda: {"game": ["http://127.0.0.1:8101"]},
         description="Env servers of each env family, 'game=http://a:8101,http://b:8101;search=…': a job "
@@ -82,7 +92,7 @@ class WorkerSettings(ServiceSettings):
     tokenizer: str | None = Field(
         default=None,
         description="Directory of the tokenizer and chat template of the served policy; "
-        "None: the model directory the engine reports (GET /v1/models 'root').",
+        "None: engine_model, or the model directory the engine reports (GET /v1/models 'root').",
     )
     run: str = Field(
         default="run",
@@ -216,6 +226,14 @@ class WorkerSettings(ServiceSettings):
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
+
+    @property
+    def engine_endpoints(self) -> list[str]:
+        """The engines episodes go to: this worker's own under :data:`ENGINE_MOUNT` when it runs one
+        (``engine_model``), else ``engine_urls``."""
+        if self.engine_model is not None:
+            return [self.advertised_url + ENGINE_MOUNT]
+        return self.engine_urls
 
     @property
     def local_url(self) -> str:

@@ -27,6 +27,10 @@ One asyncio loop does everything (docs/architecture.md, "Delivery", "Weights"):
   ``max_deliveries`` times already (a poison job, one that kills every worker that runs it): that
   one is dead-lettered. Consumer names that hold nothing and were idle for the timeout (dead
   workers') are then removed from the group;
+* **engine in this process** (``engine_model``): the worker loads the CPU engine itself and is its
+  one engine, registered at its own URL under ``/engine``, where it serves the engine protocol;
+  episodes call it without HTTP (:mod:`rollout_server.engine.in_process`), and admission and
+  reloads go through that URL like any engine's;
 * **reload**: the run's ``policy`` hash is watched; when it names another version, each engine is
   reloaded in turn (pause → ``reload_weights`` → ``update_weight_version`` → resume) behind a
   gate that lets the episodes running on it finish and holds new ones back. Every episode runs
@@ -62,7 +66,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -98,6 +102,9 @@ from services.rollout_protocol import (
     WorkerHeartbeat,
     WorkerStatus,
 )
+
+if TYPE_CHECKING:
+    from rollout_server.engine.app import EngineState
 
 logger = logging.getLogger(__name__)
 
@@ -267,11 +274,15 @@ class RolloutWorker:
         registry: CollectorRegistry | None = None,
         run_episode: EpisodeRunner | None = None,
         resolver: Resolver | None = None,
+        engine: EngineState | None = None,
     ) -> None:
         """``run_episode`` replaces :func:`rollout_server.episode.run_episode` (same signature);
-        ``resolver`` replaces DNS (``host → addresses``, see :mod:`services.endpoints`)."""
+        ``resolver`` replaces DNS (``host → addresses``, see :mod:`services.endpoints`); ``engine``
+        is the engine of ``settings.engine_model``, loaded in this process, which episodes call
+        directly (:mod:`rollout_server.engine.in_process`)."""
         self.settings = settings
         self.tokenizer = tokenizer
+        self._engine = engine
         self.consumer = settings.consumer or default_consumer_name()
         self.keys = RunKeys(settings.run)
         self._run_episode = run_episode
@@ -299,7 +310,7 @@ class RolloutWorker:
         }
         self._envs: dict[str, ServerPool[EnvClient]] = {}
         self._instructions: dict[str, str] = {}
-        self._engine_discovery = Discovery(settings.engine_urls, resolver, what="engines")
+        self._engine_discovery = Discovery(settings.engine_endpoints, resolver, what="engines")
         self._slots: list[EngineSlot] = []
         self._slots_changed = asyncio.Condition()
         self._engine_turn = itertools.count()
@@ -915,14 +926,21 @@ class RolloutWorker:
 
     def _engine_client(self, url: str) -> EngineClient:
         settings = self.settings
-        return EngineClient(
-            [url],
-            token=settings.engine_api_token.get_secret_value() if settings.engine_api_token else None,
-            backoff_s=settings.engine_backoff_s,
-            max_backoff_s=settings.engine_max_backoff_s,
-            busy_timeout_s=settings.engine_busy_timeout_s,
-            on_busy=self._engine_busy,
-        )
+        options: dict[str, Any] = {
+            "backoff_s": settings.engine_backoff_s,
+            "max_backoff_s": settings.engine_max_backoff_s,
+            "busy_timeout_s": settings.engine_busy_timeout_s,
+            "on_busy": self._engine_busy,
+        }
+        if self._engine is not None:  # its admin calls go to its app, behind this worker's token
+            from rollout_server.engine.in_process import InProcessEngineClient
+
+            token = settings.api_token
+            return InProcessEngineClient(
+                self._engine, url, token=token.get_secret_value() if token else None, **options
+            )
+        token = settings.engine_api_token
+        return EngineClient([url], token=token.get_secret_value() if token else None, **options)
 
     async def _admit(self, slot: EngineSlot) -> None:
         """Make a new engine ready: read its context length and version (retrying while it does

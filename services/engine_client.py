@@ -237,19 +237,24 @@ class EngineClient(ServiceClient):
             stop=stop,
             top_logprobs=top_logprobs,
         )
-        body = request.model_dump(exclude_unset=True)
         target = self.pick() if url is None else url.rstrip("/")
         self.inflight[target] = self.inflight.get(target, 0) + 1
         try:
-            answer = await self._answer("POST", target, "/v1/completions", body)
+            completion = await self._sample(request, target)
         finally:
             self.inflight[target] -= 1
-        completion = _completion(answer, target)
         if completion.finish_reason == "abort":
             raise EngineAbortedError(
                 f"{target} aborted the completion after {len(completion.token_ids)} tokens"
             )
         return completion
+
+    async def _sample(self, request: CompletionRequest, target: str) -> Completion:
+        """``POST /v1/completions`` to ``target``: how a completion travels (an engine in this
+        process is called directly, :mod:`rollout_server.engine.in_process`)."""
+        answer = await self._answer("POST", target, "/v1/completions", request.model_dump(exclude_unset=True))
+        response = _parse(CompletionResponse, answer.json(), target)
+        return completion_of(response, target, busy_wait_s=answer.busy_wait_s)
 
     # -- admin ------------------------------------------------------------------------------
 
@@ -359,9 +364,8 @@ def _parse(model: type[M], payload: Any, url: str) -> M:
         raise EngineProtocolError(f"{url}: not a {model.__name__}: {exc}") from exc
 
 
-def _completion(answer: Answer, url: str) -> Completion:
-    """The first choice of a 2xx ``/v1/completions`` answer, which must hold ids and log-probs."""
-    response = _parse(CompletionResponse, answer.json(), url)
+def completion_of(response: CompletionResponse, url: str, *, busy_wait_s: float = 0.0) -> Completion:
+    """The first choice of a ``/v1/completions`` response, which must hold ids and log-probs."""
     if not response.choices:
         raise EngineProtocolError(f"{url}: completion without choices")
     choice = response.choices[0]
@@ -381,7 +385,7 @@ def _completion(answer: Answer, url: str) -> Completion:
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason,
         url=url,
-        busy_wait_s=answer.busy_wait_s,
+        busy_wait_s=busy_wait_s,
         tokens=list(logprobs.tokens) if logprobs is not None else [],
         top_logprobs=[top or {} for top in logprobs.top_logprobs] if logprobs is not None else [],
     )
@@ -396,6 +400,13 @@ def engine_error(
 ) -> EngineServerError:
     """The typed error of an engine's (ours, vLLM's, an OpenAI-compatible server's) error answer."""
     code, message = parse_error_body(status, payload)
+    return typed_engine_error(status, code, message, method, url, retry_after)
+
+
+def typed_engine_error(
+    status: int, code: str, message: str, method: str = "", url: str = "", retry_after: float | None = None
+) -> EngineServerError:
+    """The :class:`EngineServerError` subclass for an error status with its code and message."""
     kind = EngineServerError
     if status == 429:
         kind = EngineBusyError

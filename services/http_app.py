@@ -186,8 +186,11 @@ class TokenAuth:
     gets the JSON 401.
     """
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(
+        self, app: ASGIApp, token: str, public_paths: frozenset[str] = UNAUTHENTICATED_PATHS
+    ) -> None:
         self.app = app
+        self.public_paths = public_paths
         self.token = token.encode()
         self.expected = b"Bearer " + self.token
         # The cookie holds a digest of the token, not the token: it is cookie-safe whatever
@@ -198,7 +201,7 @@ class TokenAuth:
         if scope["type"] == "websocket":
             await self._websocket(scope, receive, send)
             return
-        if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
             await self.app(scope, receive, send)
             return
         if scope["path"] == LOGIN_PATH:
@@ -401,6 +404,7 @@ def create_app(
     lifespan: Callable[[FastAPI], Any] | None = None,
     unhealthy: Callable[[FastAPI], str | None] | None = None,
     inner_middleware: Sequence[type[Any]] = (),
+    mounted: Sequence[str] = (),
 ) -> FastAPI:
     """A FastAPI app with stargym's shared behaviour; the caller adds its own routers.
 
@@ -410,7 +414,12 @@ def create_app(
     a readiness probe and the dashboard need to see, where a process that merely answers would
     look fine. ``inner_middleware`` (ASGI middleware classes, outermost first) run inside the size
     limit, the API token check and the request metrics, before routing: a service's fast paths.
+    ``mounted``: the prefixes where the caller mounts apps of their own; their /health needs no
+    token either (their other routes are behind this app's token).
     """
+    public_paths = UNAUTHENTICATED_PATHS | {
+        prefix + path for prefix in mounted for path in UNAUTHENTICATED_PATHS
+    }
     registry = CollectorRegistry()
     app = FastAPI(
         title=f"stargym {service}",
@@ -422,7 +431,7 @@ def create_app(
     app.state.metrics_registry = registry
     app.state.settings = settings
     _install_error_handlers(app)
-    complete_document(app, authenticated=settings.api_token is not None, public_paths=UNAUTHENTICATED_PATHS)
+    complete_document(app, authenticated=settings.api_token is not None, public_paths=public_paths)
 
     @app.get("/health", response_model=Health, tags=["service"], responses=error_responses(503))
     async def health(request: Request) -> Any:
@@ -440,7 +449,7 @@ def create_app(
         app.add_middleware(middleware)
     app.add_middleware(RequestMetrics, registry=registry, service=service)
     if settings.api_token is not None:
-        app.add_middleware(TokenAuth, token=settings.api_token.get_secret_value())
+        app.add_middleware(TokenAuth, token=settings.api_token.get_secret_value(), public_paths=public_paths)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app
 

@@ -93,6 +93,20 @@ class EngineState:
     weight_version: str = "default"
     _token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def create(
+        cls, engine: Engine, model: PreTrainedModel, tokenizer: Any, settings: EngineSettings
+    ) -> EngineState:
+        return cls(
+            engine=engine,
+            model=model,
+            tokenizer=tokenizer,
+            settings=settings,
+            model_path=str(Path(settings.model).resolve()),
+            model_name=settings.served_model_name or settings.model,
+            vocab_size=model.get_input_embeddings().num_embeddings,
+        )
+
     def token_text(self, token: int) -> str:
         """One token decoded alone, as vLLM lists it in ``logprobs.tokens``; memoised (64 decodes a reply)."""
         text = self._token_texts.get(token)
@@ -166,18 +180,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     constrain decoding.
     """
     state = _state(request)
-    _check_request(body, state)
-    prompt = _prompt_ids(body, state)
-    params = _sequence_sampling(body, 16 if body.max_tokens is None else body.max_tokens, state)
-    params = dataclasses.replace(params, top_logprobs=body.logprobs or 0)
-    _check_length(prompt, params.max_tokens, state.settings.max_model_len)
-    decode = _decoder(state, body.skip_special_tokens)
-    sequences = _sequences(prompt, params, body, decode)
-    if body.stream:
-        context = _stream_context(body, state, prompt, sequences, decode, "cmpl")
-        context.logprobs = body.logprobs is not None
-        context.return_token_ids = bool(body.return_token_ids)
-        return _stream(state, sequences, lambda progress: completion_events(context, progress))
+    if not body.stream:
+        return await run_completion(body, state)
+    prompt, sequences, decode = _completion_sequences(body, state)
+    context = _stream_context(body, state, prompt, sequences, decode, "cmpl")
+    context.logprobs = body.logprobs is not None
+    context.return_token_ids = bool(body.return_token_ids)
+    return _stream(state, sequences, lambda progress: completion_events(context, progress))
+
+
+async def run_completion(body: CompletionRequest, state: EngineState) -> CompletionResponse:
+    """A completion that is not streamed, from request to response: the route's work, which an
+    engine in the worker's own process (:mod:`rollout_server.engine.in_process`) calls directly.
+    Refusals raise :class:`~services.errors.ApiError` (400, 404, 429), as the route answers them."""
+    prompt, sequences, decode = _completion_sequences(body, state)
     await _generate(state, sequences)
     choices = [
         CompletionChoice(
@@ -194,6 +210,19 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for index, sequence in enumerate(sequences)
     ]
     return CompletionResponse(model=state.model_name, choices=choices, usage=_usage(prompt, sequences))
+
+
+def _completion_sequences(
+    body: CompletionRequest, state: EngineState
+) -> tuple[list[int], list[EngineSequence], Callable[[Sequence[int]], str]]:
+    """The checked prompt, the ``n`` sequences to run and the decoder of a completion request."""
+    _check_request(body, state)
+    prompt = _prompt_ids(body, state)
+    params = _sequence_sampling(body, 16 if body.max_tokens is None else body.max_tokens, state)
+    params = dataclasses.replace(params, top_logprobs=body.logprobs or 0)
+    _check_length(prompt, params.max_tokens, state.settings.max_model_len)
+    decode = _decoder(state, body.skip_special_tokens)
+    return prompt, _sequences(prompt, params, body, decode), decode
 
 
 @router.post(
@@ -546,8 +575,13 @@ class EngineCollector:
             yield CounterMetricFamily(name, documentation, value=value)
 
 
-def build_app(engine: Engine, model: PreTrainedModel, tokenizer: Any, settings: EngineSettings) -> FastAPI:
-    """The engine server; the engine thread starts and stops with the app."""
+def build_app(state: EngineState) -> FastAPI:
+    """The engine server; the engine thread starts and stops with the app.
+
+    Mounted in a rollout worker's app (``stargym rollout --engine-model``) this lifespan does not
+    run (Starlette runs only the outer app's): the worker starts and stops the thread itself.
+    """
+    engine, settings = state.engine, state.settings
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -563,18 +597,10 @@ def build_app(engine: Engine, model: PreTrainedModel, tokenizer: Any, settings: 
         description="CPU inference engine speaking vLLM's protocol: token-in generation, pause, weight reload.",
         lifespan=lifespan,
     )
-    app.state.engine_state = EngineState(
-        engine=engine,
-        model=model,
-        tokenizer=tokenizer,
-        settings=settings,
-        model_path=str(Path(settings.model).resolve()),
-        model_name=settings.served_model_name or settings.model,
-        vocab_size=model.get_input_embeddings().num_embeddings,
-    )
+    app.state.engine_state = state
     app.state.metrics_registry.register(EngineCollector(engine))
     app.include_router(router)
-    document_limits(app, settings, app.state.engine_state.vocab_size)
+    document_limits(app, settings, state.vocab_size)
     extend_openapi(app, _add_stream_chunks)
     return app
 

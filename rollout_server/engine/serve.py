@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from rollout_server.engine.settings import EngineSettings
 from services.serving import run_service, settings_from_flags
+
+if TYPE_CHECKING:
+    from rollout_server.engine.app import EngineState
 
 
 def serve_command(
@@ -49,6 +52,17 @@ def serve_command(
         "prefill_tokens": prefill_tokens,
     }
     settings = settings_from_flags(EngineSettings, overrides)
+    state = load_engine(settings)
+    from rollout_server.engine.app import build_app
+
+    run_service(build_app(state), settings)
+
+
+def load_engine(settings: EngineSettings) -> EngineState:
+    """The model of ``settings.model``, its tokenizer and its batching engine (not started): what
+    ``stargym engine serve`` serves, and what ``stargym rollout --engine-model`` runs in its own
+    process. A directory that is not a model, or a context past the model's positions, is a
+    :class:`typer.BadParameter` (one line, exit 2)."""
     if not (Path(settings.model) / "config.json").is_file():
         raise typer.BadParameter(
             f"{settings.model!r} is not a Hugging Face model directory", param_hint="--model"
@@ -56,7 +70,7 @@ def serve_command(
     # torch and transformers load here: every `stargym` command imports this module.
     import torch
 
-    from rollout_server.engine.app import build_app
+    from rollout_server.engine.app import EngineState
     from rollout_server.engine.scheduler import Engine
     from services.policy import load_policy
 
@@ -79,7 +93,7 @@ def serve_command(
         prefix_cache_bytes=int(settings.prefix_cache_mb * 2**20),
         prefill_tokens=settings.prefill_tokens or None,
     )
-    run_service(build_app(engine, loaded, tokenizer, settings), settings)
+    return EngineState.create(engine, loaded, tokenizer, settings)
 
 
 def _generation_eos(model) -> frozenset[int]:

@@ -14,7 +14,8 @@ Per service (the env server's own guard is tested at length in ``test_env_api.py
 And the round trips: the run trains, so the worker's calls to the env server (episodes) and to
 the engine (generation, weight reloads) carried the token; the trainer's system view reads the
 worker's ``/status``, the env server and the engine with it. On the same stack, as ``stargym up``
-starts it: the rollout side runs ``ROLLOUT_NICENESS`` steps below the trainer.
+starts it: the rollout side runs ``ROLLOUT_NICENESS`` steps below the trainer. All of it twice:
+with the engine in the rollout worker's process (``stargym up``'s default) and as a server.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 import redis
 from conftest import REPO_ROOT, RunningServer, free_port, short_run_overrides, wait_until
 
-from deploy.up import ROLLOUT_NICENESS, Stack, bring_up
+from deploy.up import ROLLOUT_NICENESS, EnginePlace, Stack, bring_up
 from services.rollout_protocol import RunKeys, Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(6 * 60)]
@@ -43,9 +44,12 @@ def get(service: RunningServer, path: str, headers: dict[str, str] | None = None
     return httpx.get(f"{service.url}{path}", headers=headers, timeout=10.0)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
-    """The secured run, trained past two updates (so policies were published and reloaded).
+@pytest.fixture(scope="module", params=list(EnginePlace), ids=str)
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, request: pytest.FixtureRequest
+) -> Iterator[Stack]:
+    """The secured run, trained past two updates (so policies were published and reloaded), with
+    the engine in the worker (its routes under the worker's /engine) and as a server of its own.
 
     Only ``STARGYM_API_TOKEN`` is set, as a user of ``stargym up`` sets it: the worker's own
     outgoing-token variables are cleared, so the launcher must pass the token on to it.
@@ -64,7 +68,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
         patch.setenv("STARGYM_API_TOKEN", TOKEN)
         for name in ("STARGYM_ROLLOUT_ENV_API_TOKEN", "STARGYM_ROLLOUT_ENGINE_API_TOKEN"):
             patch.delenv(name, raising=False)
-        with bring_up(CONFIG, overrides, concurrency=16, redis_url=redis_url, private=True) as started:
+        with bring_up(
+            CONFIG, overrides, concurrency=16, redis_url=redis_url, private=True, engine_place=request.param
+        ) as started:
 
             def trained() -> bool:
                 answer = get(started.trainer, "/status", BEARER)

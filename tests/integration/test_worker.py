@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import signal
 import subprocess
 from collections import Counter
@@ -79,16 +80,19 @@ def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunningSer
     started: list[RunningServer] = []
 
     def start(
-        engine_url: str,
+        engine_url: str | None,
         envs: dict[str, str],
         tokenizer: Path | None,
         *extra: str,
         run: RunKeys = KEYS,
         **env: str,
     ) -> RunningServer:
-        """``tokenizer`` None: the worker takes it from the engine's /v1/models."""
+        """``tokenizer`` None: the worker takes it from the engine's /v1/models; ``engine_url``
+        None: ``extra`` says where the engine is (``--engine-model``)."""
         port = free_port()
-        args = ["rollout", "--engine-url", engine_url, "--port", str(port), "--run", run.run_id]
+        args = ["rollout", "--port", str(port), "--run", run.run_id]
+        if engine_url is not None:
+            args += ["--engine-url", engine_url]
         if tokenizer is not None:
             args += ["--tokenizer", str(tokenizer)]
         for family, url in envs.items():
@@ -439,6 +443,63 @@ def test_policy_update_reloads_the_engines_and_tags_later_trajectories(
     finally:
         for server in engines:
             stop_server(server.process)
+
+
+def test_a_worker_with_the_engine_in_its_process_plays_serves_the_protocol_and_reloads(
+    db: redis.Redis,
+    workers,
+    game_server: RunningServer,
+    checkpoints: tuple[Path, Path],
+    redis_url: str,
+) -> None:
+    """``--engine-model``: episodes call the engine in the worker's process, whose protocol the
+    worker serves under /engine (the URL it registers), where a policy update reloads it."""
+    worker = workers(
+        None,
+        {"game": game_server.url},
+        None,  # the tokenizer of --engine-model
+        "--engine-model",
+        str(checkpoints[0]),
+        "--concurrency",
+        "4",
+        STARGYM_WEIGHTS_ROOTS=str(checkpoints[0].parent),
+    )
+    engine_url = f"{worker.url}/engine"
+    report = wait_for(lambda: (s := status(worker))["policy_version"] == 0 and s, "the engine in the worker")
+    assert [engine["url"] for engine in report["engines"]] == [engine_url]
+    (card,) = httpx.get(f"{engine_url}/v1/models", timeout=10).json()["data"]
+    assert card["root"] == str(checkpoints[0].resolve())
+    assert httpx.get(f"{engine_url}/weight_info", timeout=10).json() == {"weight_version": "default"}
+
+    before = make_jobs(6)
+    publish(db, before)
+    found = wait_trajectories(db, 6, logs=[worker])
+    assert all(t.error is None and t.policy_version == 0 and sum(t.loss_mask) > 0 for t in found), found
+
+    async def publish_policy() -> None:
+        client = connect(redis_url)
+        try:
+            await set_policy(client, KEYS, 1, str(checkpoints[1]))
+        finally:
+            await client.aclose()
+
+    asyncio.run(publish_policy())
+    wait_for(
+        lambda: httpx.get(f"{engine_url}/weight_info", timeout=10).json() == {"weight_version": "1"},
+        "the engine in the worker to serve v1",
+        logs=[worker],
+    )
+    after = make_jobs(4, start=6)
+    publish(db, after)
+    found = {t.job_id: t for t in wait_trajectories(db, 10, logs=[worker])}
+    assert {found[job.job_id].policy_version for job in after} == {1}
+    assert all(t.error is None for t in found.values())
+    report = status(worker)
+    assert report["reloads"] == 1 and report["jobs_done"] == 10
+    sampled = sum(sum(t.loss_mask) for t in found.values())
+    metrics = httpx.get(f"{engine_url}/metrics", timeout=10).text
+    generated = float(re.search(r"^engine_generated_tokens_total (\S+)$", metrics, re.M).group(1))
+    assert generated == sampled  # every token was sampled by the engine in the worker
 
 
 def test_redis_going_away_is_waited_out(
