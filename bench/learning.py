@@ -75,7 +75,7 @@ def run_once(arm: str, tree: Path, index: int, args: argparse.Namespace, out_dir
             evaluate_before=False,
             trainer_threads=args.trainer_threads,
             rollout_niceness=args.arm_niceness.get(arm, ROLLOUT_NICENESS),
-            engine_place=args.arm_engine.get(arm, EnginePlace.WORKER),
+            engine_place=args.arm_engine.get(arm, EnginePlace.SERVER),
         )
         curve = held_out_curve(report, started, args.eval_every)
     reached = next((point for point in curve if point["success"] >= args.target), None)
@@ -264,8 +264,8 @@ def parse_args() -> argparse.Namespace:
         action="append",
         default=[],
         metavar=("LABEL", "PLACE"),
-        help="Where one arm's CPU engine runs: 'worker' (in the rollout worker's process, `stargym up`'s "
-        "default) or 'server' (a process of its own), e.g. --arm-engine http server.",
+        help="Where one arm's CPU engine runs: 'server' (a process of its own, `stargym up`'s default) "
+        "or 'worker' (in the rollout worker's process), e.g. --arm-engine inworker worker.",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "learning.json")
     parser.add_argument(

@@ -25,7 +25,7 @@ REPORT = REPO_ROOT / "bench" / "REPORT.md"
 BENCHMARKS = {
     "env_server": "HTTP env server against stepping in-process (every family)",
     "engine": "CPU engine through HTTP against one generate() per request",
-    "rollout": "the rollout worker against episodes driven in-process",
+    "rollout": "the rollout worker against episodes driven in-process, and with the engine in its process",
     "trainer": "PolicyUpdater.update against a bare training loop",
     "dashboard": "dashboard page load at 10,000 steps, and training with the page open",
     "load": "env server under wrk (GC pauses), trajectories through Redis",

