@@ -279,19 +279,21 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.arms = args.arms or [("main", REPO_ROOT)]
     labels = {label for label, _ in args.arms}
+
+    def check_arm(flag: str, label: str) -> None:
+        if label not in labels:
+            parser.error(f"{flag} {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+
     per_arm: dict[str, list[str]] = {}
     for label, override in args.arm_set:
-        if label not in labels:
-            parser.error(f"--arm-set {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+        check_arm("--arm-set", label)
         per_arm.setdefault(label, []).append(override)
     args.arm_set = per_arm
     for label, _ in args.arm_niceness:
-        if label not in labels:
-            parser.error(f"--arm-niceness {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+        check_arm("--arm-niceness", label)
     args.arm_niceness = {label: int(niceness) for label, niceness in args.arm_niceness}
     for label, place in args.arm_engine:
-        if label not in labels:
-            parser.error(f"--arm-engine {label}: no --arm {label}=DIR (arms: {', '.join(sorted(labels))})")
+        check_arm("--arm-engine", label)
         if place not in set(EnginePlace):
             parser.error(f"--arm-engine {label}: {place!r} is not one of {', '.join(EnginePlace)}")
     args.arm_engine = {label: EnginePlace(place) for label, place in args.arm_engine}

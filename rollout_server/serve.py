@@ -116,7 +116,10 @@ def rollout_command(
     from rollout_server.episode import chat_format
 
     try:
-        loaded = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if engine is not None and settings.tokenizer is None:
+            loaded = engine.tokenizer  # the engine in this process loaded its model's already
+        else:
+            loaded = AutoTokenizer.from_pretrained(tokenizer_dir)
         chat_format(loaded)  # a chat template that cannot be extended turn by turn fails here, once
     except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
         raise typer.BadParameter(f"cannot use the tokenizer in {tokenizer_dir!r}: {exc}") from None
