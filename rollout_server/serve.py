@@ -60,8 +60,8 @@ def rollout_command(
     tokenizer: Annotated[
         str | None,
         typer.Option(
-            help="Tokenizer and chat template directory of the policy; default: the model directory "
-            "the engine reports [STARGYM_ROLLOUT_TOKENIZER]."
+            help="Tokenizer and chat template directory of the policy; default: --engine-model's, or "
+            "the model directory the engine reports [STARGYM_ROLLOUT_TOKENIZER]."
         ),
     ] = None,
     host: Annotated[
