@@ -11,7 +11,7 @@ Everything is a real process on free loopback ports, as a user runs it:
   ``stargym:<run>:trajectories``;
 * **direct path** (comparison): ``rollout_server.episode.run_episode`` driven by 64 asyncio tasks
   in this process, against the same env server and engine: the episode runner without the queue;
-* **engine in the worker** (``stargym up``'s default): ``stargym rollout --engine-model DIR``, the
+* **engine in the worker** (``stargym up --engine worker``): ``stargym rollout --engine-model DIR``, the
   engine in the worker's own process, reached without HTTP; the report gives its rollout CPU per
   turn (engine, worker and env server together) and episodes/s over the worker path's
   (``--no-in-worker`` skips it).

@@ -1,18 +1,25 @@
-"""The KV cache of the running batch: one preallocated buffer per layer, sequences aligned at the end.
+"""The KV cache of the running batch: one preallocated buffer for all layers, sequences aligned at the end.
 
-Layout per layer: ``keys`` and ``values`` of shape ``[max_rows, kv_heads, capacity, head_dim]``.
-Rows ``0..rows-1`` are the running sequences; columns ``0..end-1`` hold data, and the sequence in
+Layout: one tensor ``[layers, 2, max_rows, kv_heads, capacity, head_dim]`` (keys then values), of
+which each layer sees its ``[max_rows, kv_heads, capacity, head_dim]`` slices. Rows
+``0..rows-1`` are the running sequences; columns ``0..end-1`` hold data, and the sequence in
 row ``r`` occupies the last ``lengths[r]`` of them (left padding, as ``generate()`` pads a batch).
 So every row writes its next token into the same column ``end``: a decode step is one slice
 write per layer, where ``DynamicCache`` would copy the whole cache with ``torch.cat``. Keeping
 each sequence contiguous lets Hugging Face build its own masks as for any left-padded batch
 (positions are passed explicitly): the model code is used unchanged, whatever the architecture.
 
+A sequence's KV outside the batch (:data:`SequenceKV`) has the same layout for one row, so a
+sequence joins, leaves, is copied into the prefix cache or shifted with the batch in one tensor
+copy whatever the number of layers, where per-layer keys and values took ``2 x layers`` copies,
+each a GIL hand-off from the engine thread to the HTTP thread: the clones alone were 9% of the
+engine server's samples in a FrozenLake rollout (``bench/rollout.py --profile``).
+
 Sequences join with their prefilled KV (right-aligned at ``end``; the batch shifts right when the
 newcomer is longer than ``end``) and leave by moving the last row into their place. Leading
 columns that no row uses any more are dropped when they waste a quarter of the width, and the
-buffers grow by doubling up to the maximum model length, so memory is bounded by
-``max_rows * max_model_len`` tokens.
+buffer grows by doubling up to the maximum model length, so memory is bounded by
+``max_rows * max_model_len`` tokens. Every layer's KV has the first layer's shape.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [1, kv_heads, length, head_dim]
+SequenceKV = torch.Tensor
+"""One sequence's keys and values in every layer: ``[layers, 2, kv_heads, length, head_dim]``."""
 INITIAL_CAPACITY = 256
 
 
@@ -36,11 +44,15 @@ class SlabLayer(CacheLayerMixin):
         self.slab = slab
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("the batch cache is allocated when the first sequence joins")
+        """A forward pass before any sequence joined: the buffer takes the model's KV shape, as
+        wide as the cache may grow (:meth:`BatchKVCache.right_aligned` with no past)."""
+        self.slab.allocate(key_states, self.slab.max_length)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         rows, end = self.slab.rows, self.slab.end
         width = key_states.shape[-2]
         self.keys[:rows, :, end : end + width] = key_states
@@ -71,6 +83,34 @@ class BatchKVCache(Cache):
         self.end = 0
         self.lengths = torch.zeros(max_rows, dtype=torch.long)
         self.capacity = 0
+        self.buffer = torch.empty(0)  # [layers, 2, max_rows, kv_heads, capacity, head_dim] once allocated
+
+    @classmethod
+    def right_aligned(
+        cls, num_layers: int, pasts: Sequence[SequenceKV | None], width: int, new_tokens: int
+    ) -> BatchKVCache:
+        """A cache of ``len(pasts)`` rows, each row's past ending at column ``width``, with room for
+        exactly ``new_tokens`` more: what a batched prefill pass feeds the model.
+
+        ``pasts``: per row its KV (``length <= width``) or ``None`` for a row with no past. The
+        model's forward writes the new tokens' KV after column ``width`` in place; a
+        ``DynamicCache`` would concatenate them to the past instead, a copy of the whole batch's
+        KV per layer (10% of the engine thread in a FrozenLake rollout, 128 rows of ~40 new
+        tokens). With no past at all the buffer is allocated by the forward's first layer.
+        """
+        cache = cls(num_layers, len(pasts), width + new_tokens)
+        like = next((kv for kv in pasts if kv is not None), None)
+        if like is not None:
+            cache.allocate(like, width + new_tokens)
+        for row, kv in enumerate(pasts):
+            if kv is None:
+                continue  # its columns stay zeros, masked out as padding
+            length = kv.shape[3]
+            cache.buffer[:, :, row, :, width - length : width] = kv
+            cache.lengths[row] = length
+        cache.rows = len(pasts)
+        cache.end = width
+        return cache
 
     def attention_mask(self, new_tokens: int = 1) -> torch.Tensor:
         """``[rows, end + new_tokens]``: 1 where a row holds a token (its padding on the left is 0)."""
@@ -94,42 +134,35 @@ class BatchKVCache(Cache):
         if self.end + new_tokens > self.capacity:
             self._grow(self.end + new_tokens)
 
-    def insert(self, kv: Sequence[LayerKV]) -> int:
-        """Add a prefilled sequence (per layer ``[1, heads, length, head_dim]``); returns its row."""
+    def insert(self, kv: SequenceKV) -> int:
+        """Add a prefilled sequence; returns its row."""
         if self.rows == self.max_rows:
             raise RuntimeError("batch cache is full")
-        length = kv[0][0].shape[-2]
+        length = kv.shape[3]
         if self.capacity == 0:
-            self._allocate(kv[0][0], max(INITIAL_CAPACITY, length + 1))
+            self.allocate(kv, max(INITIAL_CAPACITY, length + 1))
         if length > self.end:
             self._compact()
             self._shift_right(length - self.end)
         row = self.rows
-        for layer, (keys, values) in zip(self.layers, kv, strict=True):
-            layer.keys[row, :, self.end - length : self.end] = keys[0]
-            layer.values[row, :, self.end - length : self.end] = values[0]
+        self.buffer[:, :, row, :, self.end - length : self.end] = kv
         self.lengths[row] = length
         self.rows += 1
         return row
 
-    def extract(self, row: int) -> list[LayerKV]:
+    def row_kv(self, row: int, start: int, stop: int) -> SequenceKV:
+        """A view of columns ``[start, stop)`` of one row (shared with the cache: clone to keep it)."""
+        return self.buffer[:, :, row, :, start:stop]
+
+    def extract(self, row: int) -> SequenceKV:
         """A copy of one row's KV without its padding, in the shape :meth:`insert` takes."""
-        start = self.end - int(self.lengths[row])
-        return [
-            (
-                layer.keys[row : row + 1, :, start : self.end].clone(),
-                layer.values[row : row + 1, :, start : self.end].clone(),
-            )
-            for layer in self.layers
-        ]
+        return self.row_kv(row, self.end - int(self.lengths[row]), self.end).clone()
 
     def remove(self, row: int) -> None:
         """Drop ``row``; the last row moves into its place (callers mirror this in their own lists)."""
         last = self.rows - 1
         if row != last:
-            for layer in self.layers:
-                layer.keys[row, :, : self.end] = layer.keys[last, :, : self.end]
-                layer.values[row, :, : self.end] = layer.values[last, :, : self.end]
+            self.buffer[:, :, row, :, : self.end] = self.buffer[:, :, last, :, : self.end]
             self.lengths[row] = self.lengths[last]
         self.lengths[last] = 0
         self.rows = last
@@ -143,30 +176,31 @@ class BatchKVCache(Cache):
         self.end = 0
         self.lengths.zero_()
 
+    def allocate(self, like: torch.Tensor, capacity: int) -> None:
+        """The buffer, ``capacity`` columns wide (at most ``max_length``); ``like``: any KV tensor
+        of the model (``[..., kv_heads, length, head_dim]``), for the shape, dtype and device."""
+        self.capacity = min(capacity, self.max_length)
+        shape = (len(self.layers), 2, self.max_rows, like.shape[-3], self.capacity, like.shape[-1])
+        # Zeros, not empty: padding columns are masked out, but garbage could be NaN and 0 * NaN is NaN.
+        self._use(torch.zeros(shape, dtype=like.dtype, device=like.device))
+
+    def _use(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        for index, layer in enumerate(self.layers):
+            layer.keys, layer.values = buffer[index, 0], buffer[index, 1]
+            layer.is_initialized = True
+
     def _unused_columns(self) -> int:
         return self.end - int(self.lengths[: self.rows].max()) if self.rows else self.end
-
-    def _allocate(self, like: torch.Tensor, capacity: int) -> None:
-        self.capacity = min(capacity, self.max_length)
-        shape = (self.max_rows, like.shape[1], self.capacity, like.shape[3])
-        for layer in self.layers:
-            # Zeros, not empty: padding columns are masked out, but garbage could be NaN and 0 * NaN is NaN.
-            layer.keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            layer.values = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            layer.is_initialized = True
 
     def _grow(self, needed: int) -> None:
         if needed > self.max_length:
             raise RuntimeError(f"sequence of {needed} tokens exceeds the cache's {self.max_length}")
         capacity = min(max(needed, 2 * self.capacity), self.max_length)
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = torch.zeros(
-                    (*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device
-                )
-                new[: self.rows, :, : self.end] = old[: self.rows, :, : self.end]
-                setattr(layer, name, new)
+        old = self.buffer
+        new = torch.zeros((*old.shape[:4], capacity, old.shape[5]), dtype=old.dtype, device=old.device)
+        new[:, :, : self.rows, :, : self.end] = old[:, :, : self.rows, :, : self.end]
+        self._use(new)
         self.capacity = capacity
 
     def _compact(self) -> None:
@@ -175,9 +209,8 @@ class BatchKVCache(Cache):
         if unused == 0:
             return
         kept = self.end - unused
-        for layer in self.layers:
-            layer.keys[: self.rows, :, :kept] = layer.keys[: self.rows, :, unused : self.end].clone()
-            layer.values[: self.rows, :, :kept] = layer.values[: self.rows, :, unused : self.end].clone()
+        rows = self.buffer[:, :, : self.rows]
+        rows[..., :kept, :] = rows[..., unused : self.end, :].clone()
         self.end = kept
 
     def _shift_right(self, columns: int) -> None:
@@ -186,9 +219,6 @@ class BatchKVCache(Cache):
         if needed > self.capacity:
             self._grow(needed)
         if self.rows:
-            for layer in self.layers:
-                layer.keys[: self.rows, :, columns:needed] = layer.keys[: self.rows, :, : self.end].clone()
-                layer.values[: self.rows, :, columns:needed] = layer.values[
-                    : self.rows, :, : self.end
-                ].clone()
+            rows = self.buffer[:, :, : self.rows]
+            rows[..., columns:needed, :] = rows[..., : self.end, :].clone()
         self.end = needed

@@ -23,41 +23,41 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from rollout_server.engine.kv_cache import LayerKV
+from rollout_server.engine.kv_cache import BatchKVCache, SequenceKV
 
 
 @dataclass
 class Chunk:
-    """Prefill ``tokens[past:end]`` given ``kv``, the KV of at least ``tokens[:past]``."""
+    """Prefill ``tokens[past:end]`` given ``kv``, the KV of at least ``tokens[:past]`` (``None`` if
+    ``past`` is 0)."""
 
     tokens: Sequence[int]
     past: int
     end: int
-    kv: Sequence[LayerKV]
+    kv: SequenceKV | None
 
     def __post_init__(self) -> None:
         if not 0 <= self.past < self.end <= len(self.tokens):
             raise ValueError(f"chunk [{self.past}, {self.end}) of a {len(self.tokens)}-token prompt")
 
 
-def forward_chunks(
-    model: PreTrainedModel, chunks: Sequence[Chunk]
-) -> tuple[torch.Tensor, list[list[LayerKV]]]:
+def forward_chunks(model: PreTrainedModel, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, list[SequenceKV]]:
     """One forward pass over ``chunks``.
 
     Returns the logits after each chunk's last token, ``[B, vocab]``, and for each chunk the KV of
-    ``tokens[:end]`` (per layer ``[1, kv_heads, end, head_dim]``, no padding).
+    ``tokens[:end]`` (no padding): views of this pass's batch, to clone where they are kept.
     """
     query = max(chunk.end - chunk.past for chunk in chunks)
     pasts = [max(0, chunk.end - query) for chunk in chunks]  # KV each row reads instead of feeding
     width = max(pasts)
-    cache = DynamicCache()
-    if width:
-        like = next(chunk.kv for chunk, past in zip(chunks, pasts, strict=True) if past)
-        for layer, (keys, _) in enumerate(like):
-            cache.update(*_right_aligned(chunks, pasts, layer, width, keys), layer)
+    cache = BatchKVCache.right_aligned(
+        model.config.get_text_config().num_hidden_layers,
+        [chunk.kv[..., :past, :] if past else None for chunk, past in zip(chunks, pasts, strict=True)],
+        width,
+        query,
+    )
     input_ids = torch.zeros(len(chunks), query, dtype=torch.long)
     positions = torch.zeros(len(chunks), query, dtype=torch.long)
     for row, (chunk, past) in enumerate(zip(chunks, pasts, strict=True)):
@@ -78,30 +78,9 @@ def forward_chunks(
         logits_to_keep=1,
     )
     total = width + query
-    kv = [
-        [(layer.keys[row : row + 1, :, total - chunk.end :], layer.values[row : row + 1, :, total - chunk.end :])
-         for layer in cache.layers]
-        for row, chunk in enumerate(chunks)
-    ]  # fmt: skip
-    return output.logits[:, -1], kv
-
-
-def _right_aligned(
-    chunks: Sequence[Chunk], pasts: list[int], layer: int, width: int, like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's past KV of every row, ``[B, kv_heads, width, head_dim]``, zeros on the left
-    (``like``: a KV tensor of that layer, for its dtype, device and shape).
-
-    Zeros, not empty: padding columns are masked out, but garbage could be NaN and 0 * NaN is NaN.
-    """
-    shape = (len(chunks), like.shape[1], width, like.shape[3])
-    keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
-    values = torch.zeros(shape, dtype=like.dtype, device=like.device)
-    for row, (chunk, past) in enumerate(zip(chunks, pasts, strict=True)):
-        if past:
-            keys[row, :, width - past :] = chunk.kv[layer][0][0, :, :past]
-            values[row, :, width - past :] = chunk.kv[layer][1][0, :, :past]
-    return keys, values
+    return output.logits[:, -1], [
+        cache.row_kv(row, total - chunk.end, total) for row, chunk in enumerate(chunks)
+    ]
 
 
 def plan_chunks(remaining: Sequence[int], budget: int) -> list[int]:

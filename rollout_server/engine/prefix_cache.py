@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollout_server.engine.kv_cache import LayerKV
+from rollout_server.engine.kv_cache import SequenceKV
 
 BLOCK = 8
 
@@ -27,7 +27,7 @@ BLOCK = 8
 @dataclass(eq=False)
 class Entry:
     tokens: tuple[int, ...]
-    kv: list[LayerKV]
+    kv: SequenceKV
     hashes: list[int]
     nbytes: int
 
@@ -54,23 +54,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[int, list[LayerKV]]:
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, SequenceKV | None]:
         """The longest cached prefix of ``prompt`` (block-aligned, leaving at least one token to
-        forward) as ``(length, per-layer KV)``; ``(0, [])`` when nothing matches."""
-        match, blocks = self._longest(prompt, len(prompt) - 1)
+        forward) as ``(length, its KV)``; ``(0, None)`` when nothing matches."""
+        match, blocks = self._longest(prompt, block_hashes(prompt, len(prompt) - 1))
         if match is None:
-            return 0, []
+            return 0, None
         self._entries.move_to_end(id(match))
         length = blocks * BLOCK
-        return length, [(keys[:, :, :length], values[:, :, :length]) for keys, values in match.kv]
+        return length, match.kv[..., :length, :]
 
-    def insert(self, tokens: Sequence[int], kv: list[LayerKV]) -> None:
-        """Keep ``kv`` (per layer ``[1, heads, len(tokens), head_dim]``) for prompts starting with ``tokens``."""
+    def insert(self, tokens: Sequence[int], kv: SequenceKV) -> None:
+        """Keep ``kv`` (the KV of ``tokens``, a tensor of its own) for prompts starting with ``tokens``."""
         hashes = block_hashes(tokens, len(tokens))
-        nbytes = sum(keys.nbytes + values.nbytes for keys, values in kv)
+        nbytes = kv.nbytes
         if not hashes or nbytes > self.capacity_bytes:
             return
-        covering, blocks = self._longest(tokens, len(tokens))
+        covering, blocks = self._longest(tokens, hashes)
         if covering is not None and blocks == len(hashes):
             self._entries.move_to_end(id(covering))  # nothing new to keep
             return
@@ -89,17 +89,23 @@ class PrefixCache:
         self._index.clear()
         self.bytes_held = 0
 
-    def _longest(self, tokens: Sequence[int], limit: int) -> tuple[Entry | None, int]:
-        """The entry sharing the most full blocks with ``tokens[:limit]``, and how many blocks."""
-        found: Entry | None = None
-        blocks = 0
-        for count, chain in enumerate(block_hashes(tokens, limit), start=1):
-            holders = self._index.get(chain)
-            if not holders:
+    def _longest(self, tokens: Sequence[int], hashes: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the most full blocks with ``tokens``, and how many blocks.
+
+        ``hashes``: the chained block hashes of (a prefix of) ``tokens``. An entry holding block
+        ``k``'s hash holds the blocks before it too (the hash covers them), so the longest match is
+        the last hash found: probed from the end, where the previous turn's entry ends, a few
+        blocks before the prompt's, instead of from the start (25-40 blocks a FrozenLake turn).
+        """
+        for blocks in range(len(hashes), 0, -1):
+            holders = self._index.get(hashes[blocks - 1])
+            if holders:
+                found = next(reversed(holders.values()))
                 break
-            found, blocks = next(reversed(holders.values())), count
+        else:
+            return None, 0
         # A hash collision would splice another sequence's KV in: check the tokens themselves.
-        if found is not None and found.tokens[: blocks * BLOCK] != tuple(tokens[: blocks * BLOCK]):
+        if found.tokens[: blocks * BLOCK] != tuple(tokens[: blocks * BLOCK]):
             return None, 0
         return found, blocks
 

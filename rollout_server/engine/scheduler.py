@@ -42,7 +42,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout_server.engine.detokenize import IncrementalText
-from rollout_server.engine.kv_cache import BatchKVCache, LayerKV
+from rollout_server.engine.kv_cache import BatchKVCache, SequenceKV
 from rollout_server.engine.prefill import Chunk, forward_chunks, plan_chunks
 from rollout_server.engine.prefix_cache import PrefixCache
 from rollout_server.engine.sampling import SequenceSampling, draw, penalise, top_logprobs
@@ -96,7 +96,7 @@ class Sequence:
     uniforms: list[float] = field(init=False)
     weights_generation: int = field(default=0, init=False)  # weights its KV was computed with
     prefilled: int = field(default=0, init=False)  # prompt tokens whose KV is in prefill_kv
-    prefill_kv: list[LayerKV] = field(default_factory=list, init=False)
+    prefill_kv: SequenceKV | None = field(default=None, init=False)
     output_counts: torch.Tensor | None = field(default=None, init=False)  # [vocab], for penalties
     prompt_seen: torch.Tensor | None = field(default=None, init=False)  # [vocab] bool, for penalties
 
@@ -326,7 +326,7 @@ class Engine:
                 continue
             # kv[row] is a view of this pass's batch: a clone keeps only this row's memory.
             sequence.prefilled = chunk.end
-            sequence.prefill_kv = [(keys.clone(), values.clone()) for keys, values in kv[row]]
+            sequence.prefill_kv = kv[row].clone()
             unfinished.append(sequence)
         self._prefilling.extendleft(reversed(unfinished))  # ahead of later arrivals, in order
         if not complete:
@@ -334,11 +334,11 @@ class Engine:
         finishing = [sequences[row] for row in complete]
         self._sample(finishing, logits[complete])
         for row, sequence in zip(complete, finishing, strict=True):
-            sequence.prefill_kv = []
+            sequence.prefill_kv = None
             sequence.weights_generation = self._weights_generation
             self.stats.prefills += 1
             if self._after_token(sequence):
-                self._prefixes.insert(sequence.prompt, [(k.clone(), v.clone()) for k, v in kv[row]])
+                self._prefixes.insert(sequence.prompt, kv[row].clone())
                 self._release(sequence)
             else:
                 self._cache.insert(kv[row])
@@ -495,7 +495,7 @@ class Engine:
         self._weights_generation += 1
         self._prefixes.clear()
         for sequence in self._prefilling:  # a partial prefill's KV is the old weights': start over
-            sequence.prefilled, sequence.prefill_kv = 0, []
+            sequence.prefilled, sequence.prefill_kv = 0, None
         return loaded
 
     def _freeze(self) -> None:

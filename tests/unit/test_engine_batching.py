@@ -40,8 +40,11 @@ def engine(model):
     engine.stop()
 
 
-def random_kv(length: int, value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.full((1, 1, length, 4), value), torch.full((1, 1, length, 4), -value)) for _ in range(2)]
+def random_kv(length: int, value: float) -> torch.Tensor:
+    """Two layers' KV of one sequence: keys all ``value``, values all ``-value``."""
+    return torch.stack([torch.full((1, length, 4), value), torch.full((1, length, 4), -value)]).expand(
+        2, -1, -1, -1, -1
+    )
 
 
 def test_cache_rows_keep_their_tokens_through_joins_leaves_and_growth() -> None:
@@ -54,12 +57,24 @@ def test_cache_rows_keep_their_tokens_through_joins_leaves_and_growth() -> None:
     cache.remove(rows[2.0])  # the longest leaves: row of 3.0 moves into its place, columns compact
     assert cache.rows == 2 and cache.end == 3
     keys, values = cache.extract(1)[0]
-    assert keys.shape == (1, 1, 2, 4) and torch.all(keys == 3.0) and torch.all(values == -3.0)
+    assert keys.shape == (1, 2, 4) and torch.all(keys == 3.0) and torch.all(values == -3.0)
     cache.insert(random_kv(500, 4.0))  # longer than the buffer: the batch shifts right and grows
     assert cache.capacity >= 500 and cache.end == 500
     keys, _ = cache.extract(0)[1]
-    assert keys.shape[2] == 3 and torch.all(keys == 1.0)
+    assert keys.shape[1] == 3 and torch.all(keys == 1.0)
     assert cache.positions().squeeze(1).tolist() == [3, 2, 500]
+
+
+def test_a_prefill_cache_right_aligns_each_past_and_leaves_room_for_the_new_tokens() -> None:
+    cache = BatchKVCache.right_aligned(2, [random_kv(3, 1.0), None, random_kv(5, 2.0)], width=5, new_tokens=4)
+    assert cache.buffer.shape == (2, 2, 3, 1, 9, 4) and cache.end == 5 and cache.rows == 3
+    assert cache.lengths.tolist() == [3, 0, 5]
+    keys = cache.layers[1].keys[:, 0, :, 0]  # [rows, columns]
+    assert keys[0].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0]  # padding, past, room for the new tokens
+    assert keys[1].tolist() == [0] * 9 and keys[2].tolist() == [2] * 5 + [0] * 4
+    assert torch.equal(cache.row_kv(2, 0, 5), random_kv(5, 2.0))
+    empty = BatchKVCache.right_aligned(2, [None, None], width=0, new_tokens=3)
+    assert empty.capacity == 0  # no past to take the shape from: the model's first layer allocates
 
 
 def params(seed: int, max_tokens: int) -> SequenceSampling:

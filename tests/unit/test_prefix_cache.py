@@ -7,10 +7,11 @@ import torch
 from rollout_server.engine.prefix_cache import BLOCK, PrefixCache
 
 
-def kv_for(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer KV whose values are the token ids, so a slice shows which tokens it covers."""
-    column = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1)
-    return [(column.clone(), -column.clone()) for _ in range(2)]
+def kv_for(tokens: list[int]) -> torch.Tensor:
+    """Two layers' KV whose keys are the token ids (values their negatives), so a slice shows
+    which tokens it covers."""
+    column = torch.tensor(tokens, dtype=torch.float32).view(1, -1, 1)
+    return torch.stack([torch.stack([column, -column])] * 2)
 
 
 def test_lookup_returns_the_longest_block_aligned_prefix_leaving_one_token() -> None:
@@ -47,7 +48,7 @@ def test_an_extension_supersedes_its_prefix_entry() -> None:
 
 
 def test_least_recently_used_entries_go_first_past_the_budget() -> None:
-    entry_bytes = sum(k.nbytes + v.nbytes for k, v in kv_for(list(range(32))))
+    entry_bytes = kv_for(list(range(32))).nbytes
     cache = PrefixCache(capacity_bytes=2 * entry_bytes)
     first, second, third = ([base + i for i in range(32)] for base in (0, 1000, 2000))
     cache.insert(first, kv_for(first))
@@ -60,7 +61,7 @@ def test_least_recently_used_entries_go_first_past_the_budget() -> None:
 
 
 def test_shared_prefixes_survive_the_eviction_of_one_holder() -> None:
-    entry_bytes = sum(k.nbytes + v.nbytes for k, v in kv_for(list(range(48))))
+    entry_bytes = kv_for(list(range(48))).nbytes
     cache = PrefixCache(capacity_bytes=2 * entry_bytes)
     instruction = list(range(32))
     episode_a, episode_b = [*instruction, *range(100, 116)], [*instruction, *range(200, 216)]
