@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.exceptions import ResponseValidationError
-from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.convertors import Convertor, register_url_convertor
 
@@ -32,6 +30,7 @@ from services.env_protocol import (
     StepResult,
 )
 from services.errors import ApiError
+from services.fast_route import NO_BODY, FastPathRoute
 from services.http_app import OrjsonResponse
 from services.openapi import error_responses, refusals
 
@@ -156,49 +155,6 @@ def instance_state(instance: Instance) -> InstanceState:
     )
 
 
-class FastPathRoute(APIRoute):
-    """An ``APIRoute`` whose plainest, valid JSON requests skip FastAPI's request machinery.
-
-    For the requests a rollout makes on every turn, FastAPI's content-type parsing, dependency
-    solving and body and response validation cost several times the env step itself. A
-    subclass's :meth:`fast` gets the body as parsed JSON and answers when the body is one that
-    FastAPI would accept unchanged; it returns None for anything else (malformed, extra fields,
-    wrong types, another content type), which then goes to the regular FastAPI handler. So errors,
-    their status codes and messages are exactly FastAPI's, and to routing, middleware and the
-    OpenAPI schema this is an ordinary route.
-    """
-
-    async def fast(self, request: Request, payload: Any) -> Response | None:
-        raise NotImplementedError
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        regular = super().get_route_handler()
-
-        async def handler(request: Request) -> Response:
-            payload = _json_body(request, await request.body())
-            response = None if payload is _NOT_PLAIN else await self.fast(request, payload)
-            return response if response is not None else await regular(request)
-
-        return handler
-
-
-_NOT_PLAIN = object()  # a body the fast path leaves to FastAPI
-_NO_BODY = object()
-
-
-def _json_body(request: Request, body: bytes) -> Any:
-    """The body as JSON (``_NO_BODY`` when empty), or ``_NOT_PLAIN`` when FastAPI must judge it."""
-    if not body:
-        return _NO_BODY
-    content_type = request.headers.get("content-type", "")
-    if content_type.partition(";")[0].strip().lower() != "application/json":
-        return _NOT_PLAIN
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return _NOT_PLAIN
-
-
 class BatchStepRoute(FastPathRoute):
     """``POST /instances/step`` whose items are each exactly ``{"instance_id", "action"}`` strings."""
 
@@ -223,7 +179,7 @@ class ResetRoute(FastPathRoute):
     """``POST /instances/{id}/reset`` with no body, or ``{"seed"?: int, "options"?: {...}}``."""
 
     async def fast(self, request: Request, payload: Any) -> Response | None:
-        if payload is _NO_BODY:
+        if payload is NO_BODY:
             seed, options = None, None
         elif type(payload) is dict and payload.keys() <= {"seed", "options"}:
             seed, options = payload.get("seed"), payload.get("options")

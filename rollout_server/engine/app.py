@@ -27,6 +27,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import ValidationError
 from transformers import PreTrainedModel
 
 from rollout_server.engine.chat import (
@@ -74,7 +75,8 @@ from services.engine_protocol import (
     WeightVersionUpdated,
 )
 from services.errors import ApiError, bad_request, not_found, too_many
-from services.http_app import create_app
+from services.fast_route import FastPathRoute
+from services.http_app import OrjsonResponse, create_app
 from services.openapi import error_responses, extend_openapi, refusals
 from services.policy import PolicyLoadError
 
@@ -162,16 +164,24 @@ def _state(request: Request) -> EngineState:
     return request.app.state.engine_state
 
 
-@router.post(
-    "/v1/completions",
-    response_model=CompletionResponse,
-    tags=["generation"],
-    responses={
-        **_event_stream("CompletionStreamResponse"),
-        **GENERATION_ERRORS,
-        **refusals(400, {**SAMPLING_REFUSALS, "empty_prompt": "the text of the prompt makes no token"}),
-    },
-)
+class CompletionRoute(FastPathRoute):
+    """``POST /v1/completions``: every turn of every rollout. A body that validates as it is and
+    asks for no stream is answered by :func:`run_completion` without FastAPI's dependency solving
+    and response validation (:mod:`services.fast_route`); the rest goes to :func:`completions`."""
+
+    async def fast(self, request: Request, payload: Any) -> Response | None:
+        if type(payload) is not dict:
+            return None
+        try:
+            body = CompletionRequest.model_validate(payload)
+        except ValidationError:
+            return None
+        if body.stream:
+            return None
+        response = await run_completion(body, _state(request))
+        return OrjsonResponse(response.model_dump(mode="json"))
+
+
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """Sample ``n`` continuations of the prompt; token ids and processed log-probs included.
 
@@ -187,6 +197,21 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     context.logprobs = body.logprobs is not None
     context.return_token_ids = bool(body.return_token_ids)
     return _stream(state, sequences, lambda progress: completion_events(context, progress))
+
+
+router.add_api_route(
+    "/v1/completions",
+    completions,
+    methods=["POST"],
+    route_class_override=CompletionRoute,
+    response_model=CompletionResponse,
+    tags=["generation"],
+    responses={
+        **_event_stream("CompletionStreamResponse"),
+        **GENERATION_ERRORS,
+        **refusals(400, {**SAMPLING_REFUSALS, "empty_prompt": "the text of the prompt makes no token"}),
+    },
+)
 
 
 async def run_completion(body: CompletionRequest, state: EngineState) -> CompletionResponse:

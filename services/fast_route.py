@@ -1,0 +1,60 @@
+"""A FastAPI route whose plainest, valid JSON requests skip FastAPI's request machinery.
+
+For the requests a rollout makes on every turn (an env step or reset, an engine completion),
+FastAPI's content-type parsing, dependency solving and body and response validation cost more
+than the work they carry: several times an env step, and 0.18 ms of the 0.28 ms the engine
+server's HTTP side spent on a one-token completion, on the core its engine thread shares under
+one GIL. A route of this class is an ordinary route to routing, middleware and the OpenAPI
+schema; only its handler looks at the body first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+NOT_PLAIN = object()
+"""A body the fast path leaves to FastAPI."""
+NO_BODY = object()
+"""An empty body."""
+
+
+class FastPathRoute(APIRoute):
+    """An ``APIRoute`` whose subclass's :meth:`fast` answers the requests it can.
+
+    :meth:`fast` gets the body as parsed JSON (:data:`NO_BODY` when empty) and answers when the
+    body is one that FastAPI would accept unchanged; it returns None for anything else
+    (malformed, extra fields, wrong types), which then goes to the regular FastAPI handler, as
+    does a body that is not ``application/json`` or not JSON at all. So errors, their status
+    codes and messages are exactly FastAPI's.
+    """
+
+    async def fast(self, request: Request, payload: Any) -> Response | None:
+        raise NotImplementedError
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        regular = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            payload = _json_body(request, await request.body())
+            response = None if payload is NOT_PLAIN else await self.fast(request, payload)
+            return response if response is not None else await regular(request)
+
+        return handler
+
+
+def _json_body(request: Request, body: bytes) -> Any:
+    """The body as JSON (:data:`NO_BODY` when empty), or :data:`NOT_PLAIN` when FastAPI must judge it."""
+    if not body:
+        return NO_BODY
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        return NOT_PLAIN
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return NOT_PLAIN
