@@ -194,6 +194,7 @@ class BatchKVCache(Cache):
         return self.end - int(self.lengths[: self.rows].max()) if self.rows else self.end
 
     def _grow(self, needed: int) -> None:
+        """A wider buffer, the rows copied over in one copy (old and new are held until it is done)."""
         if needed > self.max_length:
             raise RuntimeError(f"sequence of {needed} tokens exceeds the cache's {self.max_length}")
         capacity = min(max(needed, 2 * self.capacity), self.max_length)
