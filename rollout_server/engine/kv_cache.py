@@ -24,6 +24,7 @@ buffer grows by doubling up to the maximum model length, so memory is bounded by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,34 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 SequenceKV = torch.Tensor
 """One sequence's keys and values in every layer: ``[layers, 2, kv_heads, length, head_dim]``."""
 INITIAL_CAPACITY = 256
+
+
+class KVStorage:
+    """Memory that caches living one after another carve their buffer from: the prefill passes'.
+
+    A prefill pass's cache is as large as its rows times its widest past (16 MB for 53 rows of 300
+    tokens of the tiny policy), and zeroing a fresh one for every pass was 8.7% of the engine
+    server's samples in a FrozenLake rollout (``bench/rollout.py --profile``), as much as copying
+    the pasts in. Kept from pass to pass, the memory is zeroed once, when it grows; after that a
+    padding column holds whatever an earlier pass computed there, finite values that the
+    attention mask weighs by exactly 0 (only uninitialised memory could hold a NaN, and 0 x NaN
+    is NaN). The price is that a cache's buffer is valid until the next cache takes the storage,
+    and that the storage stays as large as the largest pass so far.
+    """
+
+    def __init__(self) -> None:
+        self._memory = torch.empty(0)
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``shape`` tensor of ``like``'s dtype and device, over the kept memory."""
+        size = math.prod(shape)
+        memory = self._memory
+        if memory.numel() < size or memory.dtype != like.dtype or memory.device != like.device:
+            # A quarter more than asked: a batch whose widest past grows by a few tokens a turn
+            # would otherwise zero a new buffer every pass.
+            memory = torch.zeros(size + size // 4, dtype=like.dtype, device=like.device)
+            self._memory = memory
+        return memory[:size].view(shape)
 
 
 class SlabLayer(CacheLayerMixin):
@@ -75,8 +104,11 @@ class BatchKVCache(Cache):
     After a forward pass over ``q`` new tokens per row the caller calls :meth:`advance` with ``q``.
     """
 
-    def __init__(self, num_layers: int, max_rows: int, max_length: int) -> None:
+    def __init__(
+        self, num_layers: int, max_rows: int, max_length: int, storage: KVStorage | None = None
+    ) -> None:
         super().__init__(layers=[SlabLayer(self) for _ in range(num_layers)])
+        self.storage = storage  # where the buffer is carved from; None: a zeroed buffer of its own
         self.max_rows = max_rows
         self.max_length = max_length
         self.rows = 0
@@ -87,7 +119,12 @@ class BatchKVCache(Cache):
 
     @classmethod
     def right_aligned(
-        cls, num_layers: int, pasts: Sequence[SequenceKV | None], width: int, new_tokens: int
+        cls,
+        num_layers: int,
+        pasts: Sequence[SequenceKV | None],
+        width: int,
+        new_tokens: int,
+        storage: KVStorage | None = None,
     ) -> BatchKVCache:
         """A cache of ``len(pasts)`` rows, each row's past ending at column ``width``, with room for
         exactly ``new_tokens`` more: what a batched prefill pass feeds the model.
@@ -96,15 +133,16 @@ class BatchKVCache(Cache):
         model's forward writes the new tokens' KV after column ``width`` in place; a
         ``DynamicCache`` would concatenate them to the past instead, a copy of the whole batch's
         KV per layer (10% of the engine thread in a FrozenLake rollout, 128 rows of ~40 new
-        tokens). With no past at all the buffer is allocated by the forward's first layer.
+        tokens). With no past at all the buffer is allocated by the forward's first layer. The
+        buffer comes from ``storage`` when one is given (its padding then holds stale values).
         """
-        cache = cls(num_layers, len(pasts), width + new_tokens)
+        cache = cls(num_layers, len(pasts), width + new_tokens, storage)
         like = next((kv for kv in pasts if kv is not None), None)
         if like is not None:
             cache.allocate(like, width + new_tokens)
         for row, kv in enumerate(pasts):
             if kv is None:
-                continue  # its columns stay zeros, masked out as padding
+                continue  # its columns are padding, masked out
             length = kv.shape[3]
             cache.buffer[:, :, row, :, width - length : width] = kv
             cache.lengths[row] = length
@@ -181,6 +219,9 @@ class BatchKVCache(Cache):
         of the model (``[..., kv_heads, length, head_dim]``), for the shape, dtype and device."""
         self.capacity = min(capacity, self.max_length)
         shape = (len(self.layers), 2, self.max_rows, like.shape[-3], self.capacity, like.shape[-1])
+        if self.storage is not None:
+            self._use(self.storage.take(shape, like))
+            return
         # Zeros, not empty: padding columns are masked out, but garbage could be NaN and 0 * NaN is NaN.
         self._use(torch.zeros(shape, dtype=like.dtype, device=like.device))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rollout_server.engine.kv_cache import BatchKVCache, SequenceKV
+from rollout_server.engine.kv_cache import BatchKVCache, KVStorage, SequenceKV
 
 
 @dataclass
@@ -43,11 +43,14 @@ class Chunk:
             raise ValueError(f"chunk [{self.past}, {self.end}) of a {len(self.tokens)}-token prompt")
 
 
-def forward_chunks(model: PreTrainedModel, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, list[SequenceKV]]:
-    """One forward pass over ``chunks``.
+def forward_chunks(
+    model: PreTrainedModel, chunks: Sequence[Chunk], storage: KVStorage | None = None
+) -> tuple[torch.Tensor, list[SequenceKV]]:
+    """One forward pass over ``chunks``, its batch KV carved from ``storage`` if given.
 
     Returns the logits after each chunk's last token, ``[B, vocab]``, and for each chunk the KV of
-    ``tokens[:end]`` (no padding): views of this pass's batch, to clone where they are kept.
+    ``tokens[:end]`` (no padding): views of this pass's batch, to clone where they are kept (with
+    a ``storage``, before the next pass overwrites them).
     """
     query = max(chunk.end - chunk.past for chunk in chunks)
     pasts = [max(0, chunk.end - query) for chunk in chunks]  # KV each row reads instead of feeding
@@ -57,6 +60,7 @@ def forward_chunks(model: PreTrainedModel, chunks: Sequence[Chunk]) -> tuple[tor
         [chunk.kv[..., :past, :] if past else None for chunk, past in zip(chunks, pasts, strict=True)],
         width,
         query,
+        storage,
     )
     # Built as lists and converted once: per-row tensor writes were 4 torch calls a row.
     padding = [[0] * (query - chunk.end + past) for chunk, past in zip(chunks, pasts, strict=True)]

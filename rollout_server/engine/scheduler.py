@@ -42,7 +42,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout_server.engine.detokenize import IncrementalText
-from rollout_server.engine.kv_cache import BatchKVCache, SequenceKV
+from rollout_server.engine.kv_cache import BatchKVCache, KVStorage, SequenceKV
 from rollout_server.engine.prefill import Chunk, forward_chunks, plan_chunks
 from rollout_server.engine.prefix_cache import PrefixCache
 from rollout_server.engine.sampling import SequenceSampling, draw, penalise, top_logprobs
@@ -146,6 +146,7 @@ class Engine:
         self._cache = BatchKVCache(
             model.config.get_text_config().num_hidden_layers, max_num_seqs, max_model_len
         )
+        self._prefill_storage = KVStorage()  # every prefill pass's batch KV, one pass at a time
         self._prefixes = PrefixCache(prefix_cache_bytes)
         self._weights_generation = 0
         self._running: list[Sequence] = []  # row i of the cache is self._running[i]
@@ -317,14 +318,14 @@ class Engine:
             Chunk(sequence.prompt, sequence.prefilled, sequence.prefilled + size, sequence.prefill_kv)
             for sequence, size in zip(sequences, sizes, strict=True)
         ]
-        logits, kv = forward_chunks(self.model, chunks)
+        logits, kv = forward_chunks(self.model, chunks, self._prefill_storage)
         self.stats.prefill_passes += 1
         complete, unfinished = [], []
         for row, (sequence, chunk) in enumerate(zip(sequences, chunks, strict=True)):
             if chunk.end == len(sequence.prompt):
                 complete.append(row)
                 continue
-            # kv[row] is a view of this pass's batch: a clone keeps only this row's memory.
+            # kv[row] is a view of the prefill storage, which the next pass overwrites: keep a clone.
             sequence.prefilled = chunk.end
             sequence.prefill_kv = kv[row].clone()
             unfinished.append(sequence)

@@ -18,8 +18,8 @@ from transformers import (
 
 from deploy.tiny_model import build_model, build_tokenizer
 from rollout_server.engine.detokenize import IncrementalText
-from rollout_server.engine.kv_cache import BatchKVCache
-from rollout_server.engine.prefill import plan_chunks
+from rollout_server.engine.kv_cache import BatchKVCache, KVStorage
+from rollout_server.engine.prefill import Chunk, forward_chunks, plan_chunks
 from rollout_server.engine.sampling import SequenceSampling, penalise
 from rollout_server.engine.scheduler import Engine, FinishReason, PauseMode, Sequence
 from services.logits import processed_logprobs
@@ -75,6 +75,27 @@ def test_a_prefill_cache_right_aligns_each_past_and_leaves_room_for_the_new_toke
     assert torch.equal(cache.row_kv(2, 0, 5), random_kv(5, 2.0))
     empty = BatchKVCache.right_aligned(2, [None, None], width=0, new_tokens=3)
     assert empty.capacity == 0  # no past to take the shape from: the model's first layer allocates
+
+
+@torch.inference_mode()  # as the engine thread runs
+def test_a_prefill_pass_on_reused_storage_ignores_what_earlier_passes_left_in_its_padding(model) -> None:
+    """Padding columns of a reused storage hold stale values, not zeros: the mask must weigh them
+    by exactly 0, so a pass on storage full of large values equals a pass on a zeroed buffer."""
+    vocab = model.config.vocab_size
+    rng = random.Random(5)
+    prompts = [[rng.randrange(vocab) for _ in range(length)] for length in (40, 9, 25)]
+    _, solo = forward_chunks(model, [Chunk(prompts[0], 0, 40, None)])
+    past = solo[0].clone()
+    chunks = [Chunk(prompts[0], 30, 40, past), Chunk(prompts[1], 0, 9, None), Chunk(prompts[2], 0, 25, None)]
+    fresh_logits, fresh_kv = forward_chunks(model, chunks)
+    fresh_kv = [kv.clone() for kv in fresh_kv]
+    storage = KVStorage()
+    storage.take((1 << 16,), past).fill_(1.0e4)  # what an earlier, larger pass could have left
+    logits, kv = forward_chunks(model, chunks, storage)
+    assert torch.allclose(logits, fresh_logits, atol=1e-5)
+    for row, expected in enumerate(fresh_kv):
+        assert torch.allclose(kv[row], expected, atol=1e-5)
+    assert kv[1].data_ptr() >= storage.take((1,), past).data_ptr()  # the pass did use the storage
 
 
 def params(seed: int, max_tokens: int) -> SequenceSampling:
