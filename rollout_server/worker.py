@@ -940,7 +940,8 @@ class RolloutWorker:
                 self._engine, url, token=token.get_secret_value() if token else None, **options
             )
         token = settings.engine_api_token
-        return EngineClient([url], token=token.get_secret_value() if token else None, **options)
+        token_value = token.get_secret_value() if token else None
+        return EngineClient([url], token=token_value, batch=settings.engine_batch, **options)
 
     async def _admit(self, slot: EngineSlot) -> None:
         """Make a new engine ready: read its context length and version (retrying while it does
