@@ -16,14 +16,10 @@ Everything is a real process on free loopback ports, as a user runs it:
   turn (engine, worker and env server together) and episodes/s over the worker path's
   (``--no-in-worker`` skips it).
 
-The worker path runs three times, each time on an engine of its own: first the engine and worker
-as they were before batched prefill (``--prefill-tokens 0``: each prompt whole, in a forward
-pass of its own; a request per completion; the baseline, ``--no-baseline`` skips it), then
-today's engine with a worker that still sends a request per completion
-(``STARGYM_ROLLOUT_ENGINE_BATCH=false``; ``--no-unbatched`` skips it), then both as they are
-(``--prefill-tokens``, default 2048; the completions issued together sent as one
-``POST /v1/completions/batch``). The report gives the last's episodes/s over the first's (target
-1.8x), and its episodes/s and rollout CPU a turn over the second's.
+The worker path runs twice, each time on an engine of its own: first the engine as it was before
+batched prefill (``--prefill-tokens 0``: each prompt whole, in a forward pass of its own, the
+baseline; ``--no-baseline`` skips it), then today's (``--prefill-tokens``, default 2048); the
+report gives the second's episodes/s over the first's (target 1.8x).
 
 Each path is warmed up, then measured over a steady-state window: episodes/s and env steps/s from
 the trajectories completed in it, sampled tokens/s and **engine utilisation** (the share of wall
@@ -79,7 +75,6 @@ ENV = "game/frozenlake"
 TARGET_UTILISATION = 0.85
 TARGET_SPEEDUP = 1.8  # episodes/s of batched prefill over the engine before it (issue 15)
 ONE_PER_PASS = "one prompt per prefill pass"
-UNBATCHED = "batched prefill, a request per completion"
 BATCHED = "batched prefill"
 IN_WORKER = "worker, engine in its process"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -296,11 +291,10 @@ def read_trajectories(db: redis.Redis, start_ms: int, end_ms: int) -> list[Traje
 
 def bench_worker(
     args: argparse.Namespace, db: redis.Redis, redis_url: str, engine: ServiceProcess | None,
-    env_server: ServiceProcess, redis_pid: int, model_dir: Path, log_dir: Path, engine_batch: bool = True,
+    env_server: ServiceProcess, redis_pid: int, model_dir: Path, log_dir: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """``stargym rollout`` consuming jobs from Redis; measured once it has warmed up. ``engine``
-    None: the worker runs the engine in its own process (``--engine-model``, served at /engine).
-    ``engine_batch`` False: a request per completion (``STARGYM_ROLLOUT_ENGINE_BATCH``)."""
+    None: the worker runs the engine in its own process (``--engine-model``, served at /engine)."""
     feeder = JobFeeder(db, args)
     feeder.top_up()
     worker_args = [
@@ -310,7 +304,6 @@ def bench_worker(
     worker_args += ["--engine-url", engine.url] if engine is not None else ["--engine-model", str(model_dir)]
     # The engine in the worker: the engine server's settings, from its variables.
     engine_env = {} if engine is not None else {"STARGYM_THREADS": str(args.threads)}
-    engine_env["STARGYM_ROLLOUT_ENGINE_BATCH"] = str(engine_batch).lower()
     with service("worker", worker_args, log_dir, env={"REDIS_URL": redis_url, **engine_env}) as worker:
         engine_url = engine.url if engine is not None else f"{worker.url}{ENGINE_MOUNT}"
         engine_pid = engine.process.pid if engine is not None else worker.process.pid
@@ -514,10 +507,6 @@ def render(results: dict[str, Any]) -> None:
     if results["batched_over_one_prefill_per_pass"] is not None:
         print(f"episodes/s, batched prefill over one prompt per prefill pass: "
               f"{results['batched_over_one_prefill_per_pass']:.2f}x (target {TARGET_SPEEDUP}x)")  # fmt: skip
-    ratios = results["batched_completions_over_a_request_each"]
-    if ratios is not None:
-        print(f"completions batched by the worker over a request each: {ratios['episodes_per_s']:.2f}x the "
-              f"episodes/s, {ratios['cpu_ms_per_turn']:.2f}x the rollout CPU a turn")  # fmt: skip
     ratios = results["engine_in_worker_over_engine_server"]
     if ratios is not None:
         print(f"engine in the worker's process over an engine server: {ratios['cpu_ms_per_turn']:.2f}x the "
@@ -534,13 +523,10 @@ def rollout_cpu_ms_per_turn(path: dict[str, Any]) -> float:
     return 1000 * cores / path["turns_per_s"] if path["turns_per_s"] else float("nan")
 
 
-def engine_paths(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """The engine and worker measured in turn, ``(label, prefill tokens, batched completions)``:
-    the engine before batched prefill and the worker sending a request per completion, as both
-    were (the baseline); today's engine with that worker; then both as they are."""
-    paths = [(ONE_PER_PASS, 0, False)] if args.baseline else []
-    paths += [(UNBATCHED, args.prefill_tokens, False)] if args.unbatched else []
-    return [*paths, (BATCHED, args.prefill_tokens, True)]
+def engine_paths(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The engines measured in turn: the one before batched prefill (the baseline), then today's."""
+    paths = [(ONE_PER_PASS, 0)] if args.baseline else []
+    return [*paths, (BATCHED, args.prefill_tokens)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -565,13 +551,6 @@ def parse_args() -> argparse.Namespace:
         dest="baseline",
         action="store_false",
         help="Skip the engine that prefills one prompt per pass (--prefill-tokens 0), the side-by-side baseline.",
-    )
-    parser.add_argument(
-        "--no-unbatched",
-        dest="unbatched",
-        action="store_false",
-        help="Skip today's engine with a worker that sends a request per completion "
-        "(STARGYM_ROLLOUT_ENGINE_BATCH=false), the side-by-side baseline of batched completions.",
     )
     parser.add_argument(
         "--no-in-worker",
@@ -599,15 +578,14 @@ def main() -> int:
         db = stack.enter_context(redis.Redis.from_url(local_redis.url))
         env_server = stack.enter_context(service("env", ["env", "serve", "game"], log_dir))
         paths = {}
-        for label, prefill_tokens, engine_batch in engine_paths(args):
+        for label, prefill_tokens in engine_paths(args):
             engine_args = ["engine", "serve", "--model", str(model_dir), "--threads", str(args.threads),
                            "--max-num-seqs", str(max(64, args.concurrency)), "--prefill-tokens", str(prefill_tokens)]  # fmt: skip
             with service("engine", engine_args, log_dir) as engine:
                 print(f"worker path, {label}: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
                 paths[f"worker, {label}"] = bench_worker(
-                    args, db, local_redis.url, engine, env_server, local_redis.process.pid, model_dir, log_dir,
-                    engine_batch,
-                )  # fmt: skip
+                    args, db, local_redis.url, engine, env_server, local_redis.process.pid, model_dir, log_dir
+                )
                 if args.direct and prefill_tokens:
                     print(f"direct path: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
                     paths["direct"] = bench_direct(
@@ -627,13 +605,6 @@ def main() -> int:
         speedup = (
             paths[f"worker, {BATCHED}"]["episodes_per_s"] / paths[f"worker, {ONE_PER_PASS}"]["episodes_per_s"]
         )
-    batched = None
-    if f"worker, {UNBATCHED}" in paths:
-        served, unbatched = paths[f"worker, {BATCHED}"], paths[f"worker, {UNBATCHED}"]
-        batched = {
-            "cpu_ms_per_turn": rollout_cpu_ms_per_turn(served) / rollout_cpu_ms_per_turn(unbatched),
-            "episodes_per_s": served["episodes_per_s"] / unbatched["episodes_per_s"],
-        }
     in_worker = None
     if IN_WORKER in paths:
         served = paths[f"worker, {BATCHED}"]
@@ -663,7 +634,6 @@ def main() -> int:
         "paths": paths,
         "prefill_tokens": args.prefill_tokens,
         "batched_over_one_prefill_per_pass": speedup,
-        "batched_completions_over_a_request_each": batched,
         "engine_in_worker_over_engine_server": in_worker,
         "target": {"utilisation": TARGET_UTILISATION, "measured": measured, "met": measured >= TARGET_UTILISATION},
     }  # fmt: skip

@@ -153,11 +153,6 @@ class WorkerSettings(ServiceSettings):
         ge=0,
         description="How long the engine client backs off and retries a generation refused with 429.",
     )
-    engine_batch: bool = Field(
-        default=True,
-        description="Send the completions the episodes issue together to an engine as one request, "
-        "where it serves POST /v1/completions/batch (the CPU engine; vLLM gets them one by one).",
-    )
     engine_retries: int = Field(
         default=2,
         ge=0,

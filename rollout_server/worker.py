@@ -940,8 +940,7 @@ class RolloutWorker:
                 self._engine, url, token=token.get_secret_value() if token else None, **options
             )
         token = settings.engine_api_token
-        token_value = token.get_secret_value() if token else None
-        return EngineClient([url], token=token_value, batch=settings.engine_batch, **options)
+        return EngineClient([url], token=token.get_secret_value() if token else None, **options)
 
     async def _admit(self, slot: EngineSlot) -> None:
         """Make a new engine ready: read its context length and version (retrying while it does

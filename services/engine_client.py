@@ -24,7 +24,7 @@ one (:class:`CompletionBatcher`). A completion alone goes to ``/v1/completions``
 so does every completion to a server without the route (vLLM: the first batch's 404 says so).
 Each completion of a batch is refused, backed off on 429 and raises exactly as it would alone.
 Why: a FrozenLake turn samples one token, and the HTTP request around it cost the engine
-server's process more than its forward passes (:class:`~services.engine_protocol.CompletionBatchRequest`).
+server's process about as much as its forward passes (numbers in :class:`CompletionBatcher`).
 """
 
 from __future__ import annotations

@@ -199,9 +199,9 @@ class CompletionBatchRequest(BaseModel):
     requests in one HTTP request, answered as a stream of :class:`CompletionBatchLine`.
 
     Why: a FrozenLake turn samples one token, and the HTTP request around it (parsing, the
-    framework's layers, JSON, loopback sockets) was 36% of the engine server's py-spy samples
-    in a rollout of 128 episodes, its forward passes 29%; the worker's concurrent episodes send
-    their turns together instead (:class:`services.engine_client.CompletionBatcher`).
+    framework's layers, JSON, loopback sockets, on both ends) cost the engine server's process as
+    much as its forward passes; the worker's concurrent episodes send their turns together
+    instead (:class:`services.completion_batch.CompletionBatcher`).
     """
 
     model_config = REQUEST
