@@ -16,23 +16,12 @@ retry it again; past that deadline it raises :class:`EngineBusyError`. A prompt 
 server's context raises :class:`EngineContextLengthError`; any other error status raises
 :class:`EngineServerError`. A connection that could not be established is retried with backoff
 (nothing was sent); a request that may have reached the server is not re-sent.
-
-**Batches.** Completions issued to one server in the same event-loop iteration (the turns of the
-episodes that resumed together) travel as one ``POST /v1/completions/batch``, whose answer
-streams a line per completion as soon as it is done, so a short reply does not wait for a long
-one (:class:`CompletionBatcher`). A completion alone goes to ``/v1/completions`` as before, and
-so does every completion to a server without the route (vLLM: the first batch's 404 says so).
-Each completion of a batch is refused, backed off on 429 and raises exactly as it would alone.
-Why: a FrozenLake turn samples one token, and the HTTP request around it cost the engine
-server's process about as much as its forward passes (numbers in :class:`CompletionBatcher`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +30,7 @@ from typing import Any, TypeVar, Unpack
 from pydantic import BaseModel, ValidationError
 
 from services.engine_protocol import (
-    COMPLETION_BATCH_PATH,
     CollectiveRpcRequest,
-    CompletionBatchLine,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -51,15 +38,7 @@ from services.engine_protocol import (
     WeightInfo,
     WeightVersionUpdate,
 )
-from services.http_client import (
-    Answer,
-    ClientErrors,
-    HttpClient,
-    ServiceClient,
-    Transport,
-    backoff_delay,
-    parse_error_body,
-)
+from services.http_client import Answer, ClientErrors, HttpClient, ServiceClient, Transport, parse_error_body
 from services.rollout_protocol import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -147,8 +126,6 @@ class EngineClient(ServiceClient):
         balance: ``least_inflight`` or ``round_robin`` (see the module docstring).
         busy_timeout_s: how long a request the engine refuses with 429 keeps being retried.
         on_busy: called for each 429 waited out (the worker counts them).
-        batch: send completions issued together to a server as one request, where it serves
-            ``POST /v1/completions/batch`` (see the module docstring); False: one request each.
         transport: ``connect_timeout``, ``retries``, ``backoff_s`` (also the 429 backoff),
             ``max_backoff_s``, ``keepalive_s`` (see :class:`services.http_client.HttpClient`).
     """
@@ -163,7 +140,6 @@ class EngineClient(ServiceClient):
         balance: str = "least_inflight",
         busy_timeout_s: float = 60.0,
         on_busy: Callable[[], None] | None = None,
-        batch: bool = True,
         **transport: Unpack[Transport],
     ) -> None:
         urls = base_urls.split(",") if isinstance(base_urls, str) else list(base_urls)
@@ -179,10 +155,6 @@ class EngineClient(ServiceClient):
         self.inflight: dict[str, int] = dict.fromkeys(self.base_urls, 0)
         """Completions in flight from this client, per server."""
         self._turn = itertools.count()
-        self.batch = batch
-        self._batchers: dict[str, CompletionBatcher] = {}
-        self.unbatched: set[str] = set()
-        """Servers that answered a batch with 404 or 405: their completions go one by one."""
         self.http = HttpClient(
             ClientErrors(EngineConnectionError, EngineTimeoutError),
             token=token,
@@ -278,17 +250,8 @@ class EngineClient(ServiceClient):
         return completion
 
     async def _sample(self, request: CompletionRequest, target: str) -> Completion:
-        """How a completion travels to ``target``: with the others issued with it, or alone (an
-        engine in this process is called directly, :mod:`rollout_server.engine.in_process`)."""
-        if not self.batch or target in self.unbatched:
-            return await self.sample_one(request, target)
-        batcher = self._batchers.get(target)
-        if batcher is None:
-            batcher = self._batchers[target] = CompletionBatcher(self, target)
-        return await batcher.complete(request)
-
-    async def sample_one(self, request: CompletionRequest, target: str) -> Completion:
-        """``POST /v1/completions`` to ``target``, one completion in one request."""
+        """``POST /v1/completions`` to ``target``: how a completion travels (an engine in this
+        process is called directly, :mod:`rollout_server.engine.in_process`)."""
         answer = await self._answer("POST", target, "/v1/completions", request.model_dump(exclude_unset=True))
         response = _parse(CompletionResponse, answer.json(), target)
         return completion_of(response, target, busy_wait_s=answer.busy_wait_s)
@@ -392,143 +355,6 @@ class EngineClient(ServiceClient):
         if answer.status >= 400:
             raise engine_error(answer.status, answer.payload, method, url, answer.retry_after)
         return answer
-
-
-@dataclass(eq=False)
-class _Queued:
-    """A completion waiting for its batch, with what its 429s have cost so far."""
-
-    request: CompletionRequest
-    future: asyncio.Future[Completion]
-    deadline: float
-    busy_attempt: int = 0
-    busy_wait_s: float = 0.0
-
-
-class CompletionBatcher:
-    """The completions of one :class:`EngineClient` to one server, sent together.
-
-    :meth:`complete` queues a request; the first in an event-loop iteration schedules the send
-    (``loop.call_soon``), so everything queued until the loop comes round, the turns of the
-    episodes that resumed together, goes in one ``POST /v1/completions/batch``; a request alone
-    goes to ``/v1/completions``. The answer's lines are read as they come and each resolves its
-    completion. A line's 429 is waited out like a whole request's (``busy_timeout_s``, the
-    client's backoff, ``on_busy``) and the request goes with a later batch; any other refusal
-    raises what :meth:`EngineClient.sample_one` would raise for it. If the batch's request
-    fails (connection, timeout, an error status), every completion still waiting raises that
-    error; a 404 or 405 means the server has no such route (vLLM), and the batch is sent again one
-    by one, as is everything after it. A caller that stops waiting does not stop its completion,
-    which the server finishes with its batch.
-    """
-
-    def __init__(self, client: EngineClient, target: str) -> None:
-        self.client = client
-        self.target = target
-        self.url = target + COMPLETION_BATCH_PATH
-        self._queue: list[_Queued] = []
-        self._sending: set[asyncio.Task[None]] = set()
-
-    async def complete(self, request: CompletionRequest) -> Completion:
-        loop = asyncio.get_running_loop()
-        queued = _Queued(request, loop.create_future(), time.monotonic() + self.client.http.busy_timeout_s)
-        self._enqueue(queued)
-        return await queued.future
-
-    def _enqueue(self, queued: _Queued) -> None:
-        if not self._queue:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._queue.append(queued)
-
-    def _flush(self) -> None:
-        batch = [queued for queued in self._queue if not queued.future.done()]  # done: cancelled
-        self._queue = []
-        if batch:
-            task = asyncio.ensure_future(self._send(batch))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
-
-    async def _send(self, batch: list[_Queued]) -> None:
-        try:
-            if len(batch) == 1 or self.target in self.client.unbatched:
-                await asyncio.gather(*(self._send_one(queued) for queued in batch))
-            else:
-                await self._send_batch(batch)
-        except Exception as exc:  # delivered to each caller still waiting, as its own error
-            for queued in batch:
-                _fail(queued, exc)
-
-    async def _send_one(self, queued: _Queued) -> None:
-        try:
-            completion = await self.client.sample_one(queued.request, self.target)
-        except Exception as exc:
-            _fail(queued, exc)
-            return
-        busy_wait_s = completion.busy_wait_s + queued.busy_wait_s
-        _resolve(queued, dataclasses.replace(completion, busy_wait_s=busy_wait_s))
-
-    async def _send_batch(self, batch: list[_Queued]) -> None:
-        body = {"requests": [queued.request.model_dump(exclude_unset=True) for queued in batch]}
-        answered: set[int] = set()
-        async with self.client.http.stream("POST", self.url, body) as answer:
-            if answer.status in (404, 405):
-                self.client.unbatched.add(self.target)
-                await asyncio.gather(*(self._send_one(queued) for queued in batch))
-                return
-            if answer.status >= 400:
-                payload = await answer.read()
-                raise engine_error(answer.status, payload, "POST", self.url, answer.retry_after)
-            async for line in answer.lines():
-                if not line.strip():
-                    continue
-                parsed = _parse_line(line, self.url, len(batch))
-                answered.add(parsed.index)
-                self._answer(batch[parsed.index], parsed)
-        missing = [index for index in range(len(batch)) if index not in answered]
-        if missing:
-            raise EngineProtocolError(f"{self.url}: the answer ended without requests {missing[:8]}")
-
-    def _answer(self, queued: _Queued, line: CompletionBatchLine) -> None:
-        if line.response is not None:
-            try:
-                completion = completion_of(line.response, self.target, busy_wait_s=queued.busy_wait_s)
-            except EngineProtocolError as exc:
-                _fail(queued, exc)
-                return
-            _resolve(queued, completion)
-            return
-        error = line.error
-        assert error is not None  # CompletionBatchLine holds one of the two
-        left = queued.deadline - time.monotonic()
-        if error.status != 429 or left <= 0:
-            _fail(queued, typed_engine_error(error.status, error.code, error.message, "POST", self.url))
-            return
-        http = self.client.http
-        wait = min(backoff_delay(queued.busy_attempt, http.backoff_s, http.max_backoff_s), left)
-        queued.busy_attempt += 1
-        queued.busy_wait_s += wait
-        if http.on_busy is not None:
-            http.on_busy()
-        asyncio.get_running_loop().call_later(wait, self._enqueue, queued)
-
-
-def _parse_line(line: bytes, url: str, size: int) -> CompletionBatchLine:
-    try:
-        parsed = CompletionBatchLine.model_validate_json(line)
-    except ValidationError as exc:
-        raise EngineProtocolError(f"{url}: not a CompletionBatchLine: {exc}") from exc
-    if parsed.index >= size:
-        raise EngineProtocolError(f"{url}: a line for request {parsed.index} of a batch of {size}")
-    return parsed
-
-
-def _resolve(queued: _Queued, completion: Completion) -> None:
-    if not queued.future.done():
-        queued.future.set_result(completion)
-
-
-def _fail(queued: _Queued, exc: BaseException) -> None:
-    if not queued.future.done():
-        queued.future.set_exception(exc)
 
 
 def _parse(model: type[M], payload: Any, url: str) -> M:

@@ -19,14 +19,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from services.json_types import WHOLE_FLOATS
 
@@ -188,52 +181,6 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = Field(default=None, description="vLLM: its version.")
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None
-
-
-COMPLETION_BATCH_PATH = "/v1/completions/batch"
-MAX_BATCH_COMPLETIONS = 1024
-
-
-class CompletionBatchRequest(BaseModel):
-    """``POST /v1/completions/batch``, the CPU engine's own route (vLLM has none): many completion
-    requests in one HTTP request, answered as a stream of :class:`CompletionBatchLine`.
-
-    Why: a FrozenLake turn samples one token, and the HTTP request around it (parsing, the
-    framework's layers, JSON, loopback sockets, on both ends) cost the engine server's process as
-    much as its forward passes; the worker's concurrent episodes send their turns together
-    instead (:class:`services.completion_batch.CompletionBatcher`).
-    """
-
-    model_config = REQUEST
-
-    requests: list[CompletionRequest] = Field(
-        min_length=1,
-        max_length=MAX_BATCH_COMPLETIONS,
-        description="Each as POST /v1/completions takes it, not streamed (a stream is that request's 400).",
-    )
-
-
-class CompletionBatchError(BaseModel):
-    """A refused request of a batch: what ``POST /v1/completions`` would have answered."""
-
-    status: int
-    code: str
-    message: str
-
-
-class CompletionBatchLine(BaseModel):
-    """One line of the batch's answer (``application/x-ndjson``), sent as soon as request ``index``
-    is done; every index comes exactly once, in the order the requests finish."""
-
-    index: int = Field(ge=0)
-    response: CompletionResponse | None = None
-    error: CompletionBatchError | None = None
-
-    @model_validator(mode="after")
-    def one_outcome(self) -> CompletionBatchLine:
-        if (self.response is None) == (self.error is None):
-            raise ValueError("a batch line holds a response or an error, exactly one")
-        return self
 
 
 class CompletionStreamResponse(BaseModel):

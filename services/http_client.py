@@ -34,19 +34,16 @@ What it owns, so that no client writes it again:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Self, TypedDict, TypeVar
+from typing import Any, Self, TypedDict
 
 import aiohttp
 import orjson
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-T = TypeVar("T")
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
@@ -211,67 +208,22 @@ class HttpClient:
         Raises ``errors.connection`` when it could not be sent (after the retries) or broke in
         flight, ``errors.timeout`` when no answer came in time.
         """
-        session = self._open_session()
+        session = self._session
+        if session is None:
+            raise RuntimeError("the client is not open: use 'async with' or await open()")
         data = None if body is None else orjson.dumps(body)
         headers = None if body is None else JSON_HEADERS
+        attempt = 0
         busy_attempt = 0
         busy_wait_s = 0.0
         deadline = time.monotonic() + self.busy_timeout_s
         while True:
-            answer = await self._attempt(method, url, lambda: _send(session, method, url, data, headers))
-            left = deadline - time.monotonic()
-            if answer.status != 429 or left <= 0:
-                return Answer(answer.status, answer.payload, answer.retry_after, busy_wait_s)
-            wait = backoff_delay(busy_attempt, self.backoff_s, self.max_backoff_s)
-            if answer.retry_after is not None:
-                wait = max(wait, min(answer.retry_after, self.max_backoff_s))
-            wait = min(wait, left)
-            busy_attempt += 1
-            busy_wait_s += wait
-            if self.on_busy is not None:
-                self.on_busy()
-            await asyncio.sleep(wait)
-
-    @asynccontextmanager
-    async def stream(self, method: str, url: str, body: Any = None) -> AsyncIterator[StreamedAnswer]:
-        """Send one request and hold its answer open, to read its body as it arrives.
-
-        For answers that come in parts (a batch's NDJSON lines). Sending is retried as by
-        :meth:`request`; a 429 is returned, not waited out. Reading raises the client's errors as
-        :meth:`request` does (the whole-request timeout covers the reading too).
-        """
-        session = self._open_session()
-        data = None if body is None else orjson.dumps(body)
-        headers = None if body is None else JSON_HEADERS
-        async with contextlib.AsyncExitStack() as stack:
-            if self._gate is not None:  # the stream is a request in flight until it is read
-                await stack.enter_async_context(self._gate)
-            response = await self._attempt(
-                method,
-                url,
-                lambda: session.request(method, url, data=data, headers=headers),
-                gated=False,
-            )
-            stack.callback(response.release)
-            yield StreamedAnswer(response, self.errors, f"{method} {url}", self.timeout)
-
-    def _open_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("the client is not open: use 'async with' or await open()")
-        return self._session
-
-    async def _attempt(
-        self, method: str, url: str, send: Callable[[], Awaitable[T]], *, gated: bool = True
-    ) -> T:
-        """``send()`` under the in-flight limit, a connection that could not be established
-        retried (nothing was sent); what may have reached the server is never sent again."""
-        attempt = 0
-        while True:
             try:
-                if self._gate is None or not gated:
-                    return await send()
-                async with self._gate:
-                    return await send()
+                if self._gate is None:
+                    answer = await _send(session, method, url, data, headers)
+                else:
+                    async with self._gate:
+                        answer = await _send(session, method, url, data, headers)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 # The connection was never established: nothing was sent, so trying again is safe.
                 reason = f"cannot connect to {_origin(url)}: {_describe(exc)}"
@@ -286,56 +238,25 @@ class HttpClient:
                     raise self.errors.connection(
                         f"{reason}; the server may have carried out the request, so it was not re-sent"
                     ) from exc
+            else:
+                left = deadline - time.monotonic()
+                if answer.status != 429 or left <= 0:
+                    return Answer(answer.status, answer.payload, answer.retry_after, busy_wait_s)
+                wait = backoff_delay(busy_attempt, self.backoff_s, self.max_backoff_s)
+                if answer.retry_after is not None:
+                    wait = max(wait, min(answer.retry_after, self.max_backoff_s))
+                wait = min(wait, left)
+                busy_attempt += 1
+                busy_wait_s += wait
+                if self.on_busy is not None:
+                    self.on_busy()
+                await asyncio.sleep(wait)
+                continue
             if attempt >= self.retries:
                 tries = "try" if attempt == 0 else "tries"
                 raise self.errors.connection(f"{reason} (gave up after {attempt + 1} {tries})")
             await asyncio.sleep(backoff_delay(attempt, self.backoff_s, self.max_backoff_s))
             attempt += 1
-
-
-class StreamedAnswer:
-    """An answer being received (:meth:`HttpClient.stream`): its status, then its body."""
-
-    def __init__(
-        self, response: aiohttp.ClientResponse, errors: ClientErrors, request: str, timeout: float
-    ) -> None:
-        self.status = response.status
-        self.retry_after = _seconds(response.headers.get("Retry-After"))
-        self._response = response
-        self._errors = errors
-        self._request = request
-        self._timeout = timeout
-
-    async def read(self) -> bytes:
-        """The whole body (an error answer's)."""
-        async with self._reading():
-            return await self._response.read()
-
-    async def lines(self) -> AsyncIterator[bytes]:
-        """The body's lines as they arrive, without their newline; a line may be any length
-        (aiohttp's own line reader refuses one past 128 KiB: a long completion with log-probs)."""
-        pending = b""
-        async with self._reading():
-            async for chunk in self._response.content.iter_any():
-                *complete, pending = (pending + chunk).split(b"\n")
-                for line in complete:
-                    yield line
-        if pending:
-            yield pending
-
-    @asynccontextmanager
-    async def _reading(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except TimeoutError as exc:
-            raise self._errors.timeout(
-                f"{self._request}: the answer did not end within {self._timeout} s"
-            ) from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise self._errors.connection(
-                f"{self._request}: connection broke while the answer was read: {_describe(exc)}; "
-                "the server may have carried out the request, so it was not re-sent"
-            ) from exc
 
 
 class Transport(TypedDict, total=False):

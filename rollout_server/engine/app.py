@@ -20,15 +20,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import orjson
 from fastapi import APIRouter, FastAPI, Query, Request, Response
-from fastapi.responses import StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from transformers import PreTrainedModel
@@ -57,7 +54,6 @@ from rollout_server.engine.streaming import (
     new_stream_id,
 )
 from services.engine_protocol import (
-    COMPLETION_BATCH_PATH,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -65,8 +61,6 @@ from services.engine_protocol import (
     ChatResponseMessage,
     CollectiveRpcRequest,
     CollectiveRpcResponse,
-    CompletionBatchLine,
-    CompletionBatchRequest,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -218,69 +212,6 @@ router.add_api_route(
         **refusals(400, {**SAMPLING_REFUSALS, "empty_prompt": "the text of the prompt makes no token"}),
     },
 )
-
-
-NDJSON = "application/x-ndjson"
-log = logging.getLogger(__name__)
-
-
-@router.post(
-    COMPLETION_BATCH_PATH,
-    response_class=StreamingResponse,
-    tags=["generation"],
-    responses={
-        200: {
-            "description": "One line per request (application/x-ndjson), each as soon as that request "
-            "is done: its response, or the error POST /v1/completions would have answered.",
-            "content": {NDJSON: {"schema": {"$ref": "#/components/schemas/CompletionBatchLine"}}},
-        }
-    },
-)
-async def completion_batch(body: CompletionBatchRequest, request: Request) -> StreamingResponse:
-    """Many completions in one request, each answered on its own line as soon as it is done.
-
-    The CPU engine's own route (vLLM has none; :class:`services.engine_client.EngineClient` sends a
-    batch only to a server that serves it). Every request runs as ``POST /v1/completions`` would
-    run it, with the same refusals, carried on its line; a streamed one is refused
-    (``stream_in_batch``). If the client goes away, the unfinished requests are aborted.
-    """
-    state = _state(request)
-    tasks = {
-        asyncio.ensure_future(_batch_item(item, state)): index for index, item in enumerate(body.requests)
-    }
-
-    async def lines() -> AsyncIterator[bytes]:
-        pending = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                yield b"".join(_batch_line(tasks[task], task) for task in done)
-        finally:
-            for task in pending:
-                task.cancel()  # _generate aborts the task's sequences
-
-    return StreamingResponse(lines(), media_type=NDJSON)
-
-
-async def _batch_item(body: CompletionRequest, state: EngineState) -> CompletionResponse:
-    if body.stream:
-        raise bad_request(
-            "stream_in_batch", "a request of a batch cannot be streamed; its line is its answer"
-        )
-    return await run_completion(body, state)
-
-
-def _batch_line(index: int, task: asyncio.Future[CompletionResponse]) -> bytes:
-    exc = task.exception()
-    if exc is None:
-        line: dict[str, Any] = {"index": index, "response": task.result().model_dump(mode="json")}
-    elif isinstance(exc, ApiError):
-        line = {"index": index, "error": {"status": exc.status, "code": exc.code, "message": exc.message}}
-    else:
-        log.error("batch request %d failed", index, exc_info=exc)
-        message = f"internal error ({type(exc).__name__}); see the server log"
-        line = {"index": index, "error": {"status": 500, "code": "internal_error", "message": message}}
-    return orjson.dumps(line) + b"\n"
 
 
 async def run_completion(body: CompletionRequest, state: EngineState) -> CompletionResponse:
@@ -700,24 +631,11 @@ def build_app(state: EngineState) -> FastAPI:
 
 
 def _add_stream_chunks(document: dict[str, Any]) -> None:
-    """The chunk and line models the streams refer to (no route returns them as a body, so
-    FastAPI leaves them out of the document's components), and the batch's requests."""
+    """The chunk models the event streams refer to: no route returns them as a body, so FastAPI
+    leaves them out of the document's components."""
     schemas = document["components"]["schemas"]
-    for model in (CompletionStreamResponse, ChatCompletionChunk, CompletionBatchLine):
+    for model in (CompletionStreamResponse, ChatCompletionChunk):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, definition in schema.pop("$defs", {}).items():
             schemas.setdefault(name, definition)
         schemas.setdefault(model.__name__, schema)
-    # A batch's requests without this server's limits (limits_doc): one past them is refused on
-    # its own line, as POST /v1/completions would refuse it, not with the whole batch.
-    item = CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    item.pop("$defs", None)
-    for bound in ("minItems", "minLength"):  # a non-empty prompt is the handler's check, too
-        item["properties"]["prompt"].pop(bound)
-    item["description"] = (
-        "A request as POST /v1/completions takes it; an empty prompt, or one past this server's "
-        "limits (n, max_tokens, the prompt's token ids and length), gets that route's 400 on its line."
-    )
-    schemas["CompletionBatchItem"] = item
-    requests = schemas[CompletionBatchRequest.__name__]["properties"]["requests"]
-    requests["items"] = {"$ref": "#/components/schemas/CompletionBatchItem"}

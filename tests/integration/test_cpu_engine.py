@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -17,8 +16,6 @@ from conftest import RunningServer, free_port, start_server, stop_server, wait_u
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy.model_init import init_tiny_model
-from services.engine_client import EngineClient, EngineConnectionError
-from services.rollout_protocol import SamplingParams
 
 EPISODES = 20
 TEMPERATURE = 0.7
@@ -195,83 +192,6 @@ def test_concurrent_requests_equal_their_solo_results(engine: RunningServer, pro
         assert together["logprobs"]["token_logprobs"] == pytest.approx(
             alone["logprobs"]["token_logprobs"], abs=1e-4
         )
-
-
-def test_a_batch_answers_each_request_as_it_would_alone(engine: RunningServer, prompt: list[int]) -> None:
-    """``POST /v1/completions/batch``: a line per request, each what ``/v1/completions`` answers
-    (the same tokens for the same seed, the same refusals), every index once."""
-    good = [{"prompt": prompt[: len(prompt) - i], "seed": 200 + i, "max_tokens": 6 + 4 * i} for i in range(3)]
-    refused = [
-        ({"prompt": prompt, "stream": True}, 400, "stream_in_batch"),
-        ({"prompt": prompt, "max_tokens": 100_000}, 400, "context_too_long"),
-        ({"prompt": prompt, "model": "no-such-model"}, 404, "not_found"),
-    ]
-    common = {"model": "tiny", "temperature": TEMPERATURE, "logprobs": 0, "return_token_ids": True}
-    requests = [{**common, **fields} for fields in good] + [{**common, **fields} for fields, _, _ in refused]
-    response = httpx.post(f"{engine.url}/v1/completions/batch", json={"requests": requests}, timeout=TIMEOUT)
-    assert response.status_code == 200 and response.headers["content-type"] == "application/x-ndjson"
-    lines = [orjson.loads(line) for line in response.text.splitlines()]
-    assert sorted(line["index"] for line in lines) == list(range(len(requests)))
-    by_index = {line["index"]: line for line in lines}
-    for index, fields in enumerate(good):
-        alone = complete(engine.url, fields["prompt"], seed=fields["seed"], max_tokens=fields["max_tokens"])
-        choice = by_index[index]["response"]["choices"][0]
-        assert choice["token_ids"] == alone["choices"][0]["token_ids"]
-        assert choice["logprobs"]["token_logprobs"] == pytest.approx(
-            alone["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5
-        )
-    for offset, (_, status, code) in enumerate(refused):
-        error = by_index[len(good) + offset]["error"]
-        assert (error["status"], error["code"]) == (status, code), error
-    empty = httpx.post(f"{engine.url}/v1/completions/batch", json={"requests": []}, timeout=TIMEOUT)
-    assert empty.status_code == 422 and empty.json()["error"]["code"] == "validation_error"
-
-
-async def test_the_client_batches_completions_issued_together_and_waits_out_each_429(
-    checkpoints: tuple[Path, Path], prompt: list[int], tmp_path: Path
-) -> None:
-    """24 completions issued at once to an engine that admits 4 sequences: they travel as batches,
-    the refused ones are backed off and sent again, and each answer is the one it gets alone; a
-    batch whose server dies fails each of its completions with a connection error."""
-    server = serve(checkpoints[0], tmp_path, "--max-num-seqs", "4")
-    try:
-        sampling = SamplingParams(temperature=TEMPERATURE, max_tokens=8)
-        busy: list[int] = []
-        async with EngineClient(server.url, on_busy=lambda: busy.append(1), timeout=120.0) as client:
-            together = await asyncio.gather(
-                *(client.complete(prompt[: len(prompt) - i], sampling, seed=300 + i) for i in range(24))
-            )
-            assert not client.unbatched
-        batches = requests_to(server.url, "/v1/completions/batch")
-        assert 1 <= batches < 24 and busy and any(completion.busy_wait_s > 0 for completion in together)
-        async with EngineClient(server.url, batch=False, timeout=120.0) as client:
-            alone = [
-                await client.complete(prompt[: len(prompt) - i], sampling, seed=300 + i) for i in range(24)
-            ]
-        assert requests_to(server.url, "/v1/completions/batch") == batches
-        for one, batched in zip(alone, together, strict=True):
-            assert batched.token_ids == one.token_ids
-            assert batched.logprobs == pytest.approx(one.logprobs, abs=1e-5)
-        # The server dies with a batch in flight (admitted, held by a pause): every completion of
-        # it fails as a lone one would.
-        httpx.post(f"{server.url}/pause", params={"mode": "wait"}, timeout=TIMEOUT).raise_for_status()
-        async with EngineClient(server.url, timeout=120.0, retries=0) as client:
-            pending = asyncio.gather(
-                *(client.complete(prompt, sampling, seed=seed) for seed in range(3)), return_exceptions=True
-            )
-            await asyncio.to_thread(wait_for_in_flight, server.url, 3)
-            server.process.kill()
-            outcomes = await asyncio.wait_for(pending, timeout=60)
-        assert all(isinstance(outcome, EngineConnectionError) for outcome in outcomes), outcomes
-    finally:
-        stop_server(server.process)
-
-
-def requests_to(url: str, route: str) -> float:
-    """Requests the engine answered on ``route`` (its ``http_requests_total``), any status."""
-    metrics = httpx.get(f"{url}/metrics").text
-    pattern = rf'^http_requests_total{{method="POST",route="{re.escape(route)}",[^}}]*}} (\S+)$'
-    return sum(float(value) for value in re.findall(pattern, metrics, re.MULTILINE))
 
 
 def test_reload_weights_changes_samples_and_version(
