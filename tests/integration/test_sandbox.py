@@ -122,10 +122,11 @@ async def test_a_hung_step_is_stopped_while_other_instances_step_on(
         wait_until(lambda: not alive(hung["info"]["pid"]), "the hung instance's process to be killed", 10)
         assert (await http.get(f"/instances/{hung['instance_id']}")).status_code == 404
         # Dozens of steps went on while it hung. A spinning child takes one of two cores, so its
-        # neighbours may slow, but stay far below what waiting on it would be (seconds).
+        # neighbours may slow, but none waits as long as the hang (a step queued behind it would):
+        # under make test's parallel load one step once took 1.45 s, so the bound is the hang's.
         assert len(during) >= 20, during
         assert statistics.median(during) < max(10 * statistics.median(calm), 0.05), (calm, during)
-        assert max(during) < 1.0, during
+        assert max(during) < STEP_TIMEOUT_S, during
 
 
 def test_a_hung_reset_is_stopped_too(server: RunningServer) -> None:
