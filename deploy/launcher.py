@@ -119,16 +119,18 @@ def start_service(
 ) -> ServiceProcess:
     """Start ``stargym ARGS`` (which must listen on ``port``) and return once it is healthy.
 
-    ``niceness``: how many steps below this process's CPU priority the service runs, through
-    POSIX ``nice`` (it execs the service, so the pid is the service's and every thread the service
-    makes inherits the priority; ``preexec_fn`` would do the same but is unsafe in a threaded parent).
+    ``niceness``: how many steps below this process's CPU priority the service runs once it is
+    healthy (:func:`lower_priority`). It starts at this process's priority: started niced, an
+    engine on a machine busy with a container build and another stack got so little CPU that it
+    had printed nothing after 60 s, its imports alone unfinished (two e2e tests failed so). The
+    niceness is for the steady state, where the trainer must win the CPU from the rollout side.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}.log"
     launch_id = uuid.uuid4().hex
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [*(["nice", "-n", str(niceness)] if niceness else []), *STARGYM, *args],
+            [*STARGYM, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {}), "STARGYM_LAUNCH_ID": launch_id},
@@ -144,7 +146,50 @@ def start_service(
         taken = isinstance(exc, PortTakenError) or "address already in use" in log
         error = PortTakenError if taken else RuntimeError
         raise error(f"{name} failed to start: {exc}\n--- log ---\n{log}") from None
+    if niceness:
+        lower_priority(process.pid, niceness)
     return service
+
+
+def lower_priority(pid: int, steps: int) -> None:
+    """Run ``pid``, every thread of it and every process it started ``steps`` nice steps below this
+    process (at most 19).
+
+    Linux keeps a nice value per thread (``setpriority`` on a pid changes its main thread only),
+    and a new thread or process takes its creator's, so once every thread there is lowered, all
+    that they make later is too. A thread made while the threads are being listed can miss a pass,
+    so passes repeat until one finds nothing left to lower. Without ``/proc`` (macOS),
+    ``setpriority`` on the pid sets the whole process.
+    """
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + steps)
+    if not os.path.isdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, pid, target)
+        return
+    while _lower_tree(pid, target):
+        pass
+
+
+def _lower_tree(pid: int, target: int) -> int:
+    """One pass of :func:`lower_priority` over ``pid`` and its descendants: how many threads it lowered."""
+    lowered = 0
+    pending = [pid]
+    while pending:
+        process = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{process}/task")
+        except FileNotFoundError:  # exited since it was listed
+            continue
+        for task in map(int, tasks):
+            try:
+                if os.getpriority(os.PRIO_PROCESS, task) < target:
+                    os.setpriority(os.PRIO_PROCESS, task, target)
+                    lowered += 1
+                children = Path(f"/proc/{process}/task/{task}/children").read_text().split()
+            except (ProcessLookupError, FileNotFoundError):  # the thread exited meanwhile
+                continue
+            pending.extend(map(int, children))
+    return lowered
 
 
 def start_on_free_port(

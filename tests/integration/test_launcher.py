@@ -2,8 +2,10 @@
 that another service takes first.
 
 ``stargym up`` runs the env servers, the engine and the rollout worker ``nice``-d below the trainer
-(``deploy.up.ROLLOUT_NICENESS``); the priority must hold for every thread the service makes, not
-only for the one that started it, or the engine's torch threads would compete at full weight.
+(``deploy.up.ROLLOUT_NICENESS``), lowered once they are healthy (a niced start can starve on a
+busy machine); the priority must hold for every thread and child process of the service, and for
+those it makes later, not only for the one that started it, or the engine's torch threads would
+compete at full weight.
 
 ``stargym up`` starts the services that do not depend on one another at the same time; a start
 that fails must not leave the others' processes behind.
@@ -31,6 +33,7 @@ from deploy.launcher import (
     ServiceProcess,
     concurrent_starts,
     free_port,
+    lower_priority,
     start_on_free_port,
     start_service,
     wait_healthy,
@@ -71,6 +74,46 @@ def test_a_service_and_all_its_threads_run_niceness_steps_below_the_launcher(
         assert thread_priorities(service.process.pid) == {min(19, own + niceness)}
     finally:
         service.stop()
+
+
+# A process with a thread and a child process (which has a thread of its own); on a line from stdin
+# it makes a new thread and a new child and prints the nice value of each.
+TREE = """
+import os, subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); print(flush=True); time.sleep(60)"],
+    stdout=subprocess.PIPE)
+child.stdout.readline()
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print(child.pid, flush=True)
+sys.stdin.readline()
+seen = []
+thread = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+thread.start(); thread.join()
+late = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
+    capture_output=True, text=True, check=True)
+print(seen[0], late.stdout.strip(), flush=True)
+child.kill()
+"""
+
+
+def test_lowering_a_started_process_lowers_its_threads_its_children_and_what_they_make_later() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert thread_priorities(parent.pid) == thread_priorities(child) == {own}
+        lower_priority(parent.pid, 3)
+        assert thread_priorities(parent.pid) == thread_priorities(child) == {min(19, own + 3)}
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        later_thread, later_child = map(int, parent.stdout.readline().split())
+        assert later_thread == later_child == min(19, own + 3)
+        assert parent.wait(timeout=30) == 0
+    finally:
+        parent.kill()
 
 
 def test_a_service_whose_port_another_holds_fails_fast_as_port_taken(tmp_path: Path) -> None:
