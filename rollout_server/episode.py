@@ -107,6 +107,9 @@ class ChatFormat:
         # prompt and revisit the same observations (a FrozenLake map has 16 tiles).
         self._first_prompt = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_first_prompt)
         self._next_user = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_next_user)
+        # Tokenising every spelling of every action at each episode's start was 4.3% of the worker's
+        # samples (py-spy, the demo's 8-turn stage); an env's action list seldom changes.
+        self._plain_stops = functools.lru_cache(maxsize=REMEMBERED_TEXTS)(self._encode_plain_stops)
 
     def render(
         self,
@@ -150,6 +153,13 @@ class ChatFormat:
     def next_user(self, reply_ids: Sequence[int], content: str) -> list[int]:
         """Ids to append after a reply so that the model answers ``content`` next."""
         return list(self._next_user(self.closing_text(reply_ids), content))
+
+    def plain_stops(self, actions: Sequence[str] | None) -> list[int]:
+        """:func:`~rollout_server.actions.plain_stop_token_ids` of ``actions`` with this tokenizer."""
+        return list(self._plain_stops(tuple(actions or ())))
+
+    def _encode_plain_stops(self, actions: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(plain_stop_token_ids(self.tokenizer, actions))
 
     def _encode_first_prompt(self, content: str) -> tuple[int, ...]:
         return tuple(self.encode(self.render([{"role": "user", "content": content}], generation_prompt=True)))
@@ -398,7 +408,7 @@ class TokenContext:
         if action_format == "plain" and max_actions == 1:
             # Stopping at a whole action: several actions per reply must not stop at the first.
             if self.stop_token_ids is None:
-                self._stops = plain_stop_token_ids(self.tokenizer, await available_actions())
+                self._stops = self.chat.plain_stops(await available_actions())
             else:
                 self._stops = list(self.stop_token_ids)
         self._instruction = instruction

@@ -1,4 +1,5 @@
-"""The chat template cut into turn pieces: the ids of a whole conversation, rendered once per text."""
+"""The chat template cut into turn pieces: the ids of a whole conversation, rendered once per text;
+an action list's stop ids, tokenised once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import pytest
 
 from deploy.tiny_model import build_tokenizer
+from rollout_server.actions import plain_stop_token_ids
 from rollout_server.episode import ChatFormat
 
 OBSERVATIONS = [
@@ -47,3 +49,18 @@ def test_a_text_seen_before_is_neither_rendered_nor_tokenised_again(tokenizer: A
     assert all(ids == first[0] for ids in first) and all(ids == after[0] for ids in after)
     chat.next_user(reply, OBSERVATIONS[2])
     assert len(renders) == 3  # a new observation is rendered
+
+
+def test_an_action_list_is_tokenised_once_for_its_stop_ids(tokenizer: Any, monkeypatch) -> None:
+    chat = ChatFormat(tokenizer)
+    expected = plain_stop_token_ids(tokenizer, ["Left", "Right"])
+    assert len(expected) == 4  # "Left", " Left", "Right", " Right": single tokens of the tiny tokenizer
+    encodes = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(
+        tokenizer, "encode", lambda text, **kwargs: encodes.append(text) or encode(text, **kwargs)
+    )
+    stops = [chat.plain_stops(["Left", "Right"]) for _ in range(8)]  # a group's 8 episodes
+    assert all(ids == expected for ids in stops)
+    assert len(encodes) == 4  # each spelling once
+    assert chat.plain_stops(None) == [] and chat.plain_stops([]) == []
