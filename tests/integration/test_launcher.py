@@ -18,8 +18,10 @@ answer is not its own service's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +103,7 @@ def test_lowering_a_started_process_lowers_its_threads_its_children_and_what_the
     parent = subprocess.Popen(
         [sys.executable, "-c", TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    child: int | None = None
     try:
         child = int(parent.stdout.readline())
         own = os.getpriority(os.PRIO_PROCESS, 0)
@@ -114,6 +117,9 @@ def test_lowering_a_started_process_lowers_its_threads_its_children_and_what_the
         assert parent.wait(timeout=30) == 0
     finally:
         parent.kill()
+        if child is not None:  # the parent's kill leaves its child behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_a_service_whose_port_another_holds_fails_fast_as_port_taken(tmp_path: Path) -> None:
