@@ -14,7 +14,11 @@ Everything is a real process on free loopback ports, as a user runs it:
 * **engine in the worker** (``stargym up --engine worker``): ``stargym rollout --engine-model DIR``, the
   engine in the worker's own process, reached without HTTP; the report gives its rollout CPU per
   turn (engine, worker and env server together) and episodes/s over the worker path's
-  (``--no-in-worker`` skips it).
+  (``--no-in-worker`` skips it);
+* **agent path**: the same jobs played by ``examples/openai_agent.py`` (the README's worked
+  example, written with nothing but ``openai``) through the worker's recording proxy, on today's
+  engine; the report gives its rollout CPU per turn and episodes/s over the worker path's, what
+  a user pays for bringing an agent of their own (``--no-agent`` skips it).
 
 The worker path runs twice, each time on an engine of its own: first the engine as it was before
 batched prefill (``--prefill-tokens 0``: each prompt whole, in a forward pass of its own, the
@@ -77,6 +81,8 @@ TARGET_SPEEDUP = 1.8  # episodes/s of batched prefill over the engine before it 
 ONE_PER_PASS = "one prompt per prefill pass"
 BATCHED = "batched prefill"
 IN_WORKER = "worker, engine in its process"
+AGENT_PATH = "worker, an openai-client agent"
+AGENT = "examples.openai_agent:play"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -231,7 +237,8 @@ KEYS = RunKeys("bench-rollout")
 """The benchmark's run: the worker serves it, the feeder fills its job stream."""
 
 
-def make_job(index: int, max_turns: int, max_tokens: int) -> RolloutJob:
+def make_job(index: int, max_turns: int, max_tokens: int, agent: str | None = None) -> RolloutJob:
+    """The ``index``-th job; ``agent``: played by that agent through a recording session."""
     return RolloutJob(
         run_id=KEYS.run_id,
         env=ENV,
@@ -242,6 +249,7 @@ def make_job(index: int, max_turns: int, max_tokens: int) -> RolloutJob:
         policy_version=0,
         action_format="plain",
         options={"size": 4},
+        agent=agent,
     )
 
 
@@ -260,9 +268,10 @@ def service(
 class JobFeeder:
     """Keeps the run's job stream holding at least ``backlog`` undelivered jobs, so the worker never waits."""
 
-    def __init__(self, db: redis.Redis, args: argparse.Namespace) -> None:
+    def __init__(self, db: redis.Redis, args: argparse.Namespace, agent: str | None = None) -> None:
         self.db = db
         self.args = args
+        self.agent = agent
         self.issued = 0
 
     def top_up(self) -> None:
@@ -277,7 +286,7 @@ class JobFeeder:
             return
         with self.db.pipeline(transaction=False) as pipe:
             for _ in range(missing):
-                job = make_job(self.issued, self.args.max_turns, self.args.max_tokens)
+                job = make_job(self.issued, self.args.max_turns, self.args.max_tokens, self.agent)
                 pipe.xadd(KEYS.jobs, {DATA_FIELD: job.model_dump_json()})
                 self.issued += 1
             pipe.execute()
@@ -291,11 +300,13 @@ def read_trajectories(db: redis.Redis, start_ms: int, end_ms: int) -> list[Traje
 
 def bench_worker(
     args: argparse.Namespace, db: redis.Redis, redis_url: str, engine: ServiceProcess | None,
-    env_server: ServiceProcess, redis_pid: int, model_dir: Path, log_dir: Path,
+    env_server: ServiceProcess, redis_pid: int, model_dir: Path, log_dir: Path, agent: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """``stargym rollout`` consuming jobs from Redis; measured once it has warmed up. ``engine``
-    None: the worker runs the engine in its own process (``--engine-model``, served at /engine)."""
-    feeder = JobFeeder(db, args)
+    None: the worker runs the engine in its own process (``--engine-model``, served at /engine).
+    ``agent``: every job is that agent's."""
+    db.delete(KEYS.jobs)  # the jobs an earlier path left undelivered: this path plays its own only
+    feeder = JobFeeder(db, args, agent)
     feeder.top_up()
     worker_args = [
         "rollout", "--env", f"game={env_server.url}", "--tokenizer", str(model_dir),
@@ -511,6 +522,10 @@ def render(results: dict[str, Any]) -> None:
     if ratios is not None:
         print(f"engine in the worker's process over an engine server: {ratios['cpu_ms_per_turn']:.2f}x the "
               f"rollout CPU a turn, {ratios['episodes_per_s']:.2f}x the episodes/s")  # fmt: skip
+    ratios = results["agent_over_worker"]
+    if ratios is not None:
+        print(f"an openai-client agent over the worker's own episodes: {ratios['cpu_ms_per_turn']:.2f}x the "
+              f"rollout CPU a turn, {ratios['episodes_per_s']:.2f}x the episodes/s")  # fmt: skip
     target = results["target"]
     print(f"engine utilisation (worker path) {target['measured']:.0%}, target {target['utilisation']:.0%}: "
           f"{'met' if target['met'] else 'NOT met'}")  # fmt: skip
@@ -559,6 +574,12 @@ def parse_args() -> argparse.Namespace:
         help="Skip the worker that runs the engine in its own process (--engine-model).",
     )
     parser.add_argument(
+        "--no-agent",
+        dest="agent",
+        action="store_false",
+        help=f"Skip the agent path ({AGENT}'s episodes through the recording proxy).",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="py-spy the engine and the worker in the worker windows."
     )
     parser.add_argument("--check", action="store_true", help="Exit 1 if utilisation misses the target.")
@@ -586,6 +607,12 @@ def main() -> int:
                 paths[f"worker, {label}"] = bench_worker(
                     args, db, local_redis.url, engine, env_server, local_redis.process.pid, model_dir, log_dir
                 )
+                if args.agent and prefill_tokens:
+                    print(f"agent path: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
+                    paths[AGENT_PATH] = bench_worker(
+                        args, db, local_redis.url, engine, env_server, local_redis.process.pid, model_dir,
+                        log_dir, agent=AGENT,
+                    )  # fmt: skip
                 if args.direct and prefill_tokens:
                     print(f"direct path: {args.warmup:g} s warm-up, {args.seconds:g} s measured ...")
                     paths["direct"] = bench_direct(
@@ -612,6 +639,13 @@ def main() -> int:
             "cpu_ms_per_turn": rollout_cpu_ms_per_turn(paths[IN_WORKER]) / rollout_cpu_ms_per_turn(served),
             "episodes_per_s": paths[IN_WORKER]["episodes_per_s"] / served["episodes_per_s"],
         }
+    agent = None
+    if AGENT_PATH in paths:
+        served = paths[f"worker, {BATCHED}"]
+        agent = {
+            "cpu_ms_per_turn": rollout_cpu_ms_per_turn(paths[AGENT_PATH]) / rollout_cpu_ms_per_turn(served),
+            "episodes_per_s": paths[AGENT_PATH]["episodes_per_s"] / served["episodes_per_s"],
+        }
     results = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -635,6 +669,7 @@ def main() -> int:
         "prefill_tokens": args.prefill_tokens,
         "batched_over_one_prefill_per_pass": speedup,
         "engine_in_worker_over_engine_server": in_worker,
+        "agent_over_worker": agent,
         "target": {"utilisation": TARGET_UTILISATION, "measured": measured, "met": measured >= TARGET_UTILISATION},
     }  # fmt: skip
     render(results)

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -287,7 +289,11 @@ async def _run(
         return await host.sessions.finished(session.session_id, host.timeout_s)
     function = load_agent(agent)
     async with openai.AsyncOpenAI(
-        base_url=f"{host.local_url}{path}/v1", api_key=host.api_key, max_retries=0, timeout=host.timeout_s
+        base_url=f"{host.local_url}{path}/v1",
+        api_key=host.api_key,
+        max_retries=0,
+        timeout=host.timeout_s,
+        http_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
     ) as client:
         returned = await function(client, task, env)
     if returned is not None and not isinstance(returned, int | float):
@@ -295,6 +301,15 @@ async def _run(
             f"agent {agent!r} returned {type(returned).__name__}, not a reward (a number) or None"
         )
     return SessionFinish(reward=None if returned is None else float(returned))
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context for every agent's client, made once per process. The client openai builds
+    by default makes its own and loads the CA bundle into it: 38 ms a client, 78% of the worker's
+    CPU (py-spy) when every episode of a bandit run was an agent's; with this one, 0.4 ms. Each
+    episode still gets a client of its own, which the agent may close."""
+    return ssl.create_default_context()
 
 
 def new_session_id() -> str:
