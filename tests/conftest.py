@@ -23,6 +23,7 @@ from deploy.redis_local import LocalRedis, start_redis_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 __all__ = [
+    "POLL",
     "REPO_ROOT",
     "STARGYM",
     "RunningServer",
@@ -138,6 +139,13 @@ def redis_server() -> Iterator[LocalRedis]:
 def redis_url(redis_server: LocalRedis) -> str:
     """URL of the session's Redis; tests that need a clean database flush it themselves."""
     return redis_server.url
+
+
+POLL = httpx.Client(timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0))
+"""The client of the tests' polls (a status, a count, a health check inside :func:`wait_until`).
+``httpx.get`` builds a client per call, whose TLS context loads the CA bundle: ~45 ms of CPU a
+call, so a test polling every 0.1 s kept half a core busy beside the servers it waited on. It
+keeps no connection: a polled server may be killed and another process take its port."""
 
 
 def wait_until(

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import REPO_ROOT, RunningServer, free_port, short_run_overrides, wait_until
+from conftest import POLL, REPO_ROOT, RunningServer, free_port, short_run_overrides, wait_until
 
 from deploy.redis_local import LocalRedis, start_redis_server
 from deploy.up import Stack, bring_up
@@ -60,7 +60,7 @@ the trainer's at 0.2 s, both doubling)."""
 def get_json(url: str, path: str) -> tuple[int, Any] | None:
     """``(status, JSON body)`` of ``GET url+path``, or None if the service does not answer."""
     try:
-        response = httpx.get(f"{url}{path}", timeout=2.0)
+        response = POLL.get(f"{url}{path}", timeout=2.0)
         return response.status_code, response.json()
     except (httpx.HTTPError, ValueError):
         return None

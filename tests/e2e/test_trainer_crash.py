@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, free_port, short_run_overrides, start_server, wait_until
+from conftest import POLL, REPO_ROOT, free_port, short_run_overrides, start_server, wait_until
 
 from deploy.up import bring_up
 from trainer.checkpoint import CheckpointStore
@@ -34,7 +34,7 @@ DEADLINE_S = 240.0
 
 def status(url: str) -> dict | None:
     try:
-        response = httpx.get(f"{url}/status", timeout=2.0)
+        response = POLL.get(f"{url}/status", timeout=2.0)
         return response.json() if response.status_code == 200 else None
     except httpx.HTTPError:
         return None

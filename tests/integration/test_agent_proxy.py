@@ -23,6 +23,7 @@ import pytest
 import redis
 from chat_templates import TOOL_HISTORY, TOOLS_TEMPLATE, WEATHER_TOOL
 from conftest import (
+    POLL,
     REPO_ROOT,
     RunningServer,
     free_port,
@@ -508,7 +509,7 @@ def test_a_harness_without_a_server_takes_its_episodes_by_rest(
     assert httpx.post(f"{worker.url}/sessions", timeout=30).status_code == 204  # nothing waits yet
     job = publish(db, "pull")
     taken = wait_until(
-        lambda: (answer := httpx.post(f"{worker.url}/sessions", timeout=30)).status_code == 201 and answer,
+        lambda: (answer := POLL.post(f"{worker.url}/sessions", timeout=30)).status_code == 201 and answer,
         "the episode to be offered",
         deadline_s=DEADLINE_S,
         logs=[worker],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import RunningServer, free_port, start_server, stop_server, wait_until
+from conftest import POLL, RunningServer, free_port, start_server, stop_server, wait_until
 
 INSTANCES = int(os.environ.get("STARGYM_LEAK_INSTANCES", "1000"))
 WARMUP = 300
@@ -138,7 +138,7 @@ async def test_instances_leave_no_memory_behind(family_server: RunningServer) ->
             for seed in range(20)
         ]
         wait_until(
-            lambda: httpx.get(f"{family_server.url}/instances").json()["count"] == 0, "the reaper", 5 * TTL_S
+            lambda: POLL.get(f"{family_server.url}/instances").json()["count"] == 0, "the reaper", 5 * TTL_S
         )
         for instance in abandoned:
             assert (await http.get(f"/instances/{instance}")).status_code == 404

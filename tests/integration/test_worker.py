@@ -21,6 +21,7 @@ import httpx
 import pytest
 import redis
 from conftest import (
+    POLL,
     REPO_ROOT,
     STARGYM,
     RunningServer,
@@ -163,7 +164,7 @@ def publish_policy(redis_url: str, version: int, path: Path) -> None:
 
 
 def status(worker: RunningServer) -> dict:
-    response = httpx.get(f"{worker.url}/status", timeout=10)
+    response = POLL.get(f"{worker.url}/status", timeout=10)
     response.raise_for_status()
     return response.json()
 
@@ -357,7 +358,7 @@ def test_a_killed_engine_makes_the_worker_unhealthy_until_one_answers_again(
     engine.process.wait(timeout=10)
 
     def health() -> httpx.Response:
-        return httpx.get(f"{worker.url}/health", timeout=10)
+        return POLL.get(f"{worker.url}/health", timeout=10)
 
     lost = wait_for(
         lambda: (answer := health()).status_code == 503 and answer, "/health to be 503", logs=[worker]
@@ -424,7 +425,7 @@ def test_policy_update_reloads_the_engines_and_tags_later_trajectories(
         publish_policy(redis_url, 1, checkpoints[1])
         for url in urls:
             wait_for(
-                lambda url=url: httpx.get(f"{url}/weight_info").json() == {"weight_version": "1"},
+                lambda url=url: POLL.get(f"{url}/weight_info").json() == {"weight_version": "1"},
                 f"{url} to serve v1",
                 logs=[worker],
             )
@@ -484,7 +485,7 @@ def test_a_worker_with_the_engine_in_its_process_plays_serves_the_protocol_and_r
 
     publish_policy(redis_url, 1, checkpoints[1])
     wait_for(
-        lambda: httpx.get(f"{engine_url}/weight_info", timeout=10).json() == {"weight_version": "1"},
+        lambda: POLL.get(f"{engine_url}/weight_info", timeout=10).json() == {"weight_version": "1"},
         "the engine in the worker to serve v1",
         logs=[worker],
     )
