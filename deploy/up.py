@@ -18,6 +18,7 @@ too. :func:`bring_up` is the same as a context manager, for the demo and the tes
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -88,7 +89,7 @@ class Stack:
     def trainer_status(self, timeout_s: float = 5.0) -> dict | None:
         """The trainer's ``/status``, or None if it does not answer."""
         try:
-            response = httpx.get(f"{self.trainer.url}/status", timeout=timeout_s)
+            response = _status_client().get(f"{self.trainer.url}/status", timeout=timeout_s)
             return response.json() if response.status_code == 200 else None
         except httpx.HTTPError:
             return None
@@ -98,6 +99,14 @@ class Stack:
         while self.trainer.process.poll() is None:
             time.sleep(poll_s)
         return self.trainer.process.returncode
+
+
+@functools.cache
+def _status_client() -> httpx.Client:
+    """The client of every status poll (``make demo``'s progress bar asks each second):
+    ``httpx.get`` builds one per call, whose TLS context loads the CA bundle, ~45 ms of CPU. It
+    keeps no connection, so a trainer restarted on the same port is asked afresh."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _port(preferred: int) -> int:
