@@ -538,6 +538,18 @@ def rollout_cpu_ms_per_turn(path: dict[str, Any]) -> float:
     return 1000 * cores / path["turns_per_s"] if path["turns_per_s"] else float("nan")
 
 
+def over_worker_path(paths: dict[str, dict[str, Any]], label: str) -> dict[str, float] | None:
+    """Path ``label``'s rollout CPU a turn and episodes/s over the worker path's on today's engine
+    (None when it was skipped)."""
+    if label not in paths:
+        return None
+    served = paths[f"worker, {BATCHED}"]
+    return {
+        "cpu_ms_per_turn": rollout_cpu_ms_per_turn(paths[label]) / rollout_cpu_ms_per_turn(served),
+        "episodes_per_s": paths[label]["episodes_per_s"] / served["episodes_per_s"],
+    }
+
+
 def engine_paths(args: argparse.Namespace) -> list[tuple[str, int]]:
     """The engines measured in turn: the one before batched prefill (the baseline), then today's."""
     paths = [(ONE_PER_PASS, 0)] if args.baseline else []
@@ -632,20 +644,8 @@ def main() -> int:
         speedup = (
             paths[f"worker, {BATCHED}"]["episodes_per_s"] / paths[f"worker, {ONE_PER_PASS}"]["episodes_per_s"]
         )
-    in_worker = None
-    if IN_WORKER in paths:
-        served = paths[f"worker, {BATCHED}"]
-        in_worker = {
-            "cpu_ms_per_turn": rollout_cpu_ms_per_turn(paths[IN_WORKER]) / rollout_cpu_ms_per_turn(served),
-            "episodes_per_s": paths[IN_WORKER]["episodes_per_s"] / served["episodes_per_s"],
-        }
-    agent = None
-    if AGENT_PATH in paths:
-        served = paths[f"worker, {BATCHED}"]
-        agent = {
-            "cpu_ms_per_turn": rollout_cpu_ms_per_turn(paths[AGENT_PATH]) / rollout_cpu_ms_per_turn(served),
-            "episodes_per_s": paths[AGENT_PATH]["episodes_per_s"] / served["episodes_per_s"],
-        }
+    in_worker = over_worker_path(paths, IN_WORKER)
+    agent = over_worker_path(paths, AGENT_PATH)
     results = {
         "machine": {
             "cpus": os.cpu_count(),
