@@ -18,7 +18,6 @@ too. :func:`bring_up` is the same as a context manager, for the demo and the tes
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import time
@@ -34,7 +33,7 @@ import typer
 from rich.console import Console
 
 from deploy.evaluation import ENGINE_TOKEN_VAR, ENV_TOKEN_VAR
-from deploy.launcher import ServiceProcess, concurrent_starts, free_port
+from deploy.launcher import ServiceProcess, concurrent_starts, free_port, poll_client
 from deploy.redis_local import LocalRedis, local_redis
 from deploy.train import ensure_model, load_train_config
 from rollout_server.settings import ENGINE_MOUNT
@@ -89,7 +88,7 @@ class Stack:
     def trainer_status(self, timeout_s: float = 5.0) -> dict | None:
         """The trainer's ``/status``, or None if it does not answer."""
         try:
-            response = _status_client().get(f"{self.trainer.url}/status", timeout=timeout_s)
+            response = poll_client().get(f"{self.trainer.url}/status", timeout=timeout_s)
             return response.json() if response.status_code == 200 else None
         except httpx.HTTPError:
             return None
@@ -99,14 +98,6 @@ class Stack:
         while self.trainer.process.poll() is None:
             time.sleep(poll_s)
         return self.trainer.process.returncode
-
-
-@functools.cache
-def _status_client() -> httpx.Client:
-    """The client of every status poll (``make demo``'s progress bar asks each second):
-    ``httpx.get`` builds one per call, whose TLS context loads the CA bundle, ~45 ms of CPU. It
-    keeps no connection, so a trainer restarted on the same port is asked afresh."""
-    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _port(preferred: int) -> int:

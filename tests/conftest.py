@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from deploy.launcher import STARGYM, free_port, start_service, wait_healthy
+from deploy.launcher import STARGYM, free_port, poll_client, start_service, wait_healthy
 from deploy.launcher import ServiceProcess as RunningServer
 from deploy.launcher import stop_process as stop_server
 from deploy.redis_local import LocalRedis, start_redis_server
@@ -141,11 +141,10 @@ def redis_url(redis_server: LocalRedis) -> str:
     return redis_server.url
 
 
-POLL = httpx.Client(timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0))
-"""The client of the tests' polls (a status, a count, a health check inside :func:`wait_until`).
-``httpx.get`` builds a client per call, whose TLS context loads the CA bundle: ~45 ms of CPU a
-call, so a test polling every 0.1 s kept half a core busy beside the servers it waited on. It
-keeps no connection: a polled server may be killed and another process take its port."""
+POLL = poll_client()
+"""The client of the tests' polls (a status, a count, a health check inside :func:`wait_until`):
+the launcher's, not ``httpx.get``'s client per call, which loads the CA bundle (~45 ms of CPU), so
+a test polling every 0.1 s kept half a core busy beside the servers it waited on."""
 
 
 def wait_until(
